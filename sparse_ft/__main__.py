@@ -1,0 +1,3 @@
+from sparse_ft.cli import main
+
+raise SystemExit(main())
