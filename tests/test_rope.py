@@ -1,0 +1,73 @@
+import pytest
+import torch
+
+from sparse_ft import rope
+from sparse_ft.tiny import tiny_llama, tiny_llama_config
+
+
+def _inv_freq(model):
+    return model.model.rotary_emb.inv_freq.clone()
+
+
+def test_linear_extension_composes_with_existing_scaling():
+    model = tiny_llama()
+    base = _inv_freq(model)
+    rope.extend_to(model.config, 512, "linear")
+    assert rope.refresh_rotary(model) == 1
+    assert model.config.max_position_embeddings == 512
+    torch.testing.assert_close(_inv_freq(model), base / 2)
+    # A second extension multiplies the factor instead of replacing it (LongLoRA's bug).
+    params = rope.extend_to(model.config, 2048, "linear")
+    rope.refresh_rotary(model)
+    assert params["factor"] == 8.0
+    assert rope.original_context(model.config) == 256
+    torch.testing.assert_close(_inv_freq(model), base / 8)
+
+
+def test_within_context_is_a_no_op():
+    config = tiny_llama_config()
+    before = rope.rope_parameters(config)
+    assert rope.extend_to(config, 200, "yarn") == before
+    assert config.max_position_embeddings == 256
+
+
+def test_yarn_and_dynamic_write_transformers_config():
+    model = tiny_llama()
+    base = _inv_freq(model)
+    params = rope.extend_to(model.config, 1024, "yarn")
+    rope.refresh_rotary(model)
+    assert params["rope_type"] == "yarn" and params["factor"] == 4.0
+    assert params["original_max_position_embeddings"] == 256
+    assert model.model.rotary_emb.attention_scaling > 1.0  # YaRN's temperature
+    assert not torch.equal(_inv_freq(model), base)
+    # Dynamic NTK must keep max_position_embeddings: transformers reads it as the threshold.
+    config = tiny_llama_config()
+    rope.extend_to(config, 1024, "dynamic")
+    assert config.max_position_embeddings == 256
+    assert rope.rope_parameters(config)["factor"] == 4.0
+
+
+def test_scaled_model_round_trips_through_save(tmp_path):
+    model = tiny_llama()
+    rope.extend_to(model.config, 1024, "linear")
+    rope.refresh_rotary(model)
+    model.save_pretrained(tmp_path)
+    from transformers import AutoModelForCausalLM
+
+    again = AutoModelForCausalLM.from_pretrained(tmp_path)
+    torch.testing.assert_close(_inv_freq(again), _inv_freq(model))
+    ids = torch.randint(3, 300, (1, 40))
+    torch.testing.assert_close(again(ids).logits, model(ids).logits)
+
+
+def test_bad_values_name_the_problem():
+    config = tiny_llama_config()
+    with pytest.raises(ValueError, match="method='ntk'.*linear, dynamic, yarn"):
+        rope.extend_to(config, 512, "ntk")
+    rope.extend_to(config, 512, "yarn")
+    with pytest.raises(ValueError, match="rope_type='yarn'"):
+        rope.extend_to(config, 2048, "linear")
+    with pytest.raises(ValueError, match="factor=0.5"):
+        rope.scale_rope(config, 0.5)
+    with pytest.raises(ValueError, match="no rotary-embedding"):
+        rope.refresh_rotary(torch.nn.Linear(2, 2))
