@@ -1,0 +1,15 @@
+"""Sparse attention patterns for long-context fine-tuning, in pure torch.
+
+    >>> import attn_patterns
+    >>> pattern = attn_patterns.get("scca_flow", chunks=4)
+    >>> out = pattern(q, k, v)          # q (B, H, N, D), k/v (B, Hkv, N, D)
+    >>> pattern.mask(16, 8)             # bool (H, N, N), for tests and pictures
+
+Every pattern equals dense softmax attention restricted to its visible keys, intersected
+with causality; the fast path never builds N×N tensors.
+"""
+
+from attn_patterns.base import Pattern
+from attn_patterns.registry import build, get, names, register
+
+__all__ = ["Pattern", "build", "get", "names", "register"]

@@ -1,0 +1,128 @@
+"""What every pattern is: a rule saying which keys each (head, query) sees, plus a kernel.
+
+The rule is an arithmetic progression of key positions ``lo, lo+step, ..., hi`` per head and
+query, always intersected with causality (``j <= i``). That one form covers every chunked,
+shifted and dilated pattern of the SCCA / LongLoRA family, and gives for free the dense mask
+(tests and pictures), the FlexAttention mask and the exact count of visible pairs (the
+benchmark's ideal speedup) in O(H·N) instead of O(H·N²).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+
+from attn_patterns.kernels import resolve_backend
+
+Keys = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def chunk_size(n: int, chunks: int) -> int:
+    """w = ceil(N / chunks): LongLoRA's group size, SCCA's segment length."""
+    return -(-n // chunks)
+
+
+def check_positive(name: str, value: Any, pattern: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{pattern}: {name}={value!r} must be an integer >= 1")
+    return value
+
+
+class Pattern:
+    """Base class. Subclasses define ``keys`` and ``forward``; ``head_multiple`` is the number
+    the head count must be divisible by (e.g. 2 for half/half patterns)."""
+
+    name: str = "pattern"
+    head_multiple: int = 1
+
+    def __init__(self, backend: Optional[str] = None, **params: Any) -> None:
+        self.backend = backend
+        self.params = params
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.params.items())
+        return f"{self.name}({args})"
+
+    # --- the rule -------------------------------------------------------------------------
+    def keys(self, h: torch.Tensor, i: torch.Tensor, n: int, num_heads: int) -> Keys:
+        """Visible keys of head ``h`` and query ``i`` (broadcastable int64 tensors) as the
+        progression ``(lo, hi, step)``, before causality. An empty set has ``hi < lo``."""
+        raise NotImplementedError
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str) -> torch.Tensor:
+        """Fast path; k/v already have as many heads as q."""
+        raise NotImplementedError
+
+    # --- derived from the rule ------------------------------------------------------------
+    def check_heads(self, num_heads: int) -> None:
+        if num_heads % self.head_multiple:
+            raise ValueError(
+                f"{self.name}: num_heads={num_heads} must be divisible by {self.head_multiple} "
+                f"({self._head_rule()})"
+            )
+
+    def _head_rule(self) -> str:
+        return "the pattern splits heads into groups"
+
+    def visible(self, h: torch.Tensor, i: torch.Tensor, j: torch.Tensor, n: int, num_heads: int) -> torch.Tensor:
+        """attention-gym style mask_mod: True where query i of head h may attend key j."""
+        lo, hi, step = self.keys(h, i, n, num_heads)
+        return (j >= lo) & (j <= hi) & ((j - lo) % step == 0) & (j <= i)
+
+    def mask(self, seq_len: int, num_heads: int) -> torch.Tensor:
+        """Dense bool ``(num_heads, seq_len, seq_len)``; for tests and pictures only."""
+        self.check_heads(num_heads)
+        h = torch.arange(num_heads)[:, None, None]
+        i = torch.arange(seq_len)[None, :, None]
+        j = torch.arange(seq_len)[None, None, :]
+        return self.visible(h, i, j, seq_len, num_heads).expand(num_heads, seq_len, seq_len).clone()
+
+    def visible_pairs(self, seq_len: int, num_heads: int) -> int:
+        """Number of (head, query, key) triples the pattern computes, without an N×N tensor."""
+        self.check_heads(num_heads)
+        h = torch.arange(num_heads)[:, None]
+        i = torch.arange(seq_len)[None, :]
+        lo, hi, step = self.keys(h, i, seq_len, num_heads)
+        hi = torch.minimum(hi, i)
+        count = torch.where(hi >= lo, torch.div(hi - lo, step, rounding_mode="floor") + 1, 0)
+        return int(count.expand(num_heads, seq_len).sum())
+
+    # --- the call -------------------------------------------------------------------------
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: Optional[str] = None
+    ) -> torch.Tensor:
+        _check_qkv(q, k, v)
+        num_heads = q.shape[1]
+        self.check_heads(num_heads)
+        chosen = resolve_backend(backend or self.backend, q)
+        if chosen == "flex":
+            from attn_patterns.flex import flex_forward
+
+            return flex_forward(self, q, k, v)
+        groups = num_heads // k.shape[1]
+        if groups > 1:
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+        return self.forward(q, k, v, chosen)
+
+
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(
+            f"q, k, v must be 4-D (batch, heads, seq, dim); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    b, h, n, d = q.shape
+    if k.shape != v.shape or k.shape[0] != b or k.shape[2] != n or k.shape[3] != d:
+        raise ValueError(
+            f"k and v must be (batch={b}, kv_heads, seq={n}, dim={d}) like q; got k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    if n < 1:
+        raise ValueError("seq_len=0: patterns need at least one token")
+    if h % k.shape[1]:
+        raise ValueError(f"num_heads={h} must be a multiple of kv_heads={k.shape[1]} (grouped-query attention)")
+
+
+def softmax_scale(d: int) -> float:
+    return 1.0 / math.sqrt(d)
