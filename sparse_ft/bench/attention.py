@@ -1,0 +1,128 @@
+"""Forward+backward time and peak memory of each pattern against dense causal SDPA.
+
+The ideal speedup is what a kernel doing only the visible work would reach: visible
+(head, query, key) pairs of causal attention ÷ those of the pattern. The fraction of it that
+the measured speedup reaches tells how much the fast path loses to padding, copies and
+kernel launch overheads.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Iterable, Optional
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+import attn_patterns
+from sparse_ft.bench.machine import PeakMemory
+
+DEFAULT_PATTERNS = ("s2", "scca_fixed", "scca_flow", "sda", "longmixed")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class Row:
+    pattern: str
+    seq_len: int
+    heads: int
+    head_dim: int
+    ms: float
+    dense_ms: float
+    speedup: float
+    ideal: float
+    fraction_of_ideal: float
+    peak_mib: float
+    dense_peak_mib: float
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time(fn, device: torch.device, warmup: int, repeats: int) -> tuple[float, float]:
+    """Median milliseconds over ``repeats`` and the peak memory of one more run."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    peak = PeakMemory(device)
+    with peak.measure():
+        fn()
+    return statistics.median(times), peak.mib
+
+
+def _step(attend, q, k, v):
+    def run():
+        for x in (q, k, v):
+            x.grad = None
+        attend(q, k, v).sum().backward()
+
+    return run
+
+
+def _dense(q, k, v):
+    groups = q.shape[1] // k.shape[1]
+    k, v = (x.repeat_interleave(groups, dim=1) for x in (k, v))
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def run(
+    lengths: Iterable[int],
+    heads: Iterable[int],
+    head_dims: Iterable[int],
+    patterns: Iterable[str] = DEFAULT_PATTERNS,
+    dtype: str = "fp32",
+    device: str = "cpu",
+    kv_heads: Optional[int] = None,
+    warmup: int = 1,
+    repeats: int = 3,
+) -> list[Row]:
+    dev = torch.device(device)
+    rows: list[Row] = []
+    configs = [(n, h, d) for n in lengths for h in heads for d in head_dims]
+    patterns = list(patterns)
+    bar = tqdm(total=len(configs) * (len(patterns) + 1), desc="bench attention", unit="run")
+    for n, h, d in configs:
+        hk = kv_heads or h
+        gen = torch.Generator(device=dev).manual_seed(0)
+        make = lambda heads_: torch.randn(1, heads_, n, d, generator=gen, device=dev, dtype=DTYPES[dtype], requires_grad=True)  # noqa: E731
+        q, k, v = make(h), make(hk), make(hk)
+        dense_ms, dense_mib = _time(_step(_dense, q, k, v), dev, warmup, repeats)
+        bar.update()
+        causal_pairs = attn_patterns.get("full").visible_pairs(n, h)
+        for name in patterns:
+            pattern = attn_patterns.get(name)
+            ms, mib = _time(_step(pattern, q, k, v), dev, warmup, repeats)
+            ideal = causal_pairs / pattern.visible_pairs(n, h)
+            speedup = dense_ms / ms
+            rows.append(Row(name, n, h, d, ms, dense_ms, speedup, ideal, speedup / ideal, mib, dense_mib))
+            bar.update()
+    bar.close()
+    return rows
+
+
+def markdown(rows: list[Row]) -> str:
+    lines = [
+        "| pattern | N | H | D | ms | dense ms | speedup | ideal | of ideal | peak MiB | dense peak MiB |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.pattern} | {r.seq_len} | {r.heads} | {r.head_dim} | {r.ms:.1f} | {r.dense_ms:.1f} | "
+            f"{r.speedup:.2f}× | {r.ideal:.2f}× | {r.fraction_of_ideal:.2f} | {r.peak_mib:.0f} | {r.dense_peak_mib:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def as_dicts(rows: list[Row]) -> list[dict]:
+    return [asdict(r) for r in rows]

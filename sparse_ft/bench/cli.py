@@ -1,0 +1,69 @@
+"""``sparse-ft bench attention``: patterns against dense causal SDPA in the same run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+QUICK = dict(lengths="2048,4096", heads="8", head_dims="64", repeats=2)
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a comma-separated list of integers") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must list positive integers")
+    return values
+
+
+def add_parser(sub) -> None:
+    bench = sub.add_parser("bench", help="benchmarks against the dense baseline")
+    which = bench.add_subparsers(dest="bench", required=True)
+    p = which.add_parser("attention", help="forward+backward time and peak memory of each pattern vs dense causal SDPA")
+    p.add_argument("--lengths", default="2048,4096,8192,16384", help="sequence lengths (comma list)")
+    p.add_argument("--heads", default="8", help="query heads (comma list)")
+    p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default: as many as query heads)")
+    p.add_argument("--head-dims", default="64", help="head dimensions (comma list)")
+    p.add_argument("--patterns", default="s2,scca_fixed,scca_flow,sda,longmixed")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None, help="default: bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--quick", action="store_true", help="N in {2k, 4k}, H=8, D=64: under a minute on 2 CPU cores")
+    p.add_argument("--output", type=Path, default=None, help="write results as JSON")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    from sparse_ft.bench import attention
+    from sparse_ft.bench.machine import describe
+
+    if args.quick:
+        for key, value in QUICK.items():
+            setattr(args, key, value)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
+    try:
+        lengths, heads, dims = (_ints(x) for x in (args.lengths, args.heads, args.head_dims))
+    except argparse.ArgumentTypeError as err:
+        raise ValueError(f"bench attention: {err}") from None
+    patterns = [p for p in args.patterns.split(",") if p]
+    import attn_patterns
+
+    for name in patterns:
+        attn_patterns.get(name)  # unknown names fail before any measurement
+    machine = describe(device)
+    rows = attention.run(lengths, heads, dims, patterns, dtype, str(device), args.kv_heads, args.warmup, args.repeats)
+    print(f"\nforward+backward, batch 1, {dtype}, on {machine}\n")
+    print(attention.markdown(rows))
+    if args.output:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        payload = {"machine": machine, "device": str(device), "dtype": dtype, "results": attention.as_dicts(rows)}
+        args.output.write_text(json.dumps(payload, indent=2))
+        print(f"\nwrote {args.output}")
+    return 0
