@@ -64,6 +64,12 @@ def _write(config: Any, params: dict[str, Any]) -> None:
     config.rope_scaling = None if scaling["rope_type"] == "default" else scaling
 
 
+def restore(config: Any, params: dict[str, Any], max_position_embeddings: int) -> None:
+    """Put back a RoPE configuration saved with an adapter (see :func:`rope_parameters`)."""
+    _write(config, dict(params))
+    config.max_position_embeddings = int(max_position_embeddings)
+
+
 def scale_rope(config: Any, factor: float, method: str = "linear") -> dict[str, Any]:
     """Multiply the model's RoPE scaling by ``factor`` with ``method``; returns the new
     parameters, written into ``config`` in its own format. Call :func:`refresh_rotary` on a

@@ -1,0 +1,1 @@
+"""Dataset preparation: text sources, tokenisation with a cache, packing."""

@@ -1,0 +1,118 @@
+"""Training samples: documents tokenised once, filtered by length, joined with EOS and cut
+into fixed-length samples (labels = inputs; the model shifts them).
+
+The token stream goes to a cache file as it is produced, so a large streamed source never
+sits in memory, and a finished cache is found again by a key over everything that changes
+its contents. Caches are written to a temporary name and renamed: a crash leaves no file
+that looks complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from sparse_ft.data.sources import iter_texts, local_files
+
+BATCH = 64
+
+
+class PackedDataset(torch.utils.data.Dataset):
+    """Fixed-length samples read from the cache by memory map."""
+
+    def __init__(self, path: Path, seq_len: int) -> None:
+        tokens = np.memmap(path, dtype=np.int32, mode="r")
+        self.samples = tokens[: len(tokens) // seq_len * seq_len].reshape(-1, seq_len)
+        self.path, self.seq_len = path, seq_len
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        ids = torch.from_numpy(np.array(self.samples[index], dtype=np.int64))
+        return {"input_ids": ids, "labels": ids}
+
+
+def _fingerprint(source: str) -> list:
+    files = local_files(source)
+    if files is None:
+        return [source]
+    return [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in files]
+
+
+def _tokenizer_id(tokenizer) -> str:
+    vocab = sorted(tokenizer.get_vocab().items())
+    return hashlib.sha256(json.dumps([type(tokenizer).__name__, vocab, tokenizer.eos_token_id]).encode()).hexdigest()[:16]
+
+
+def cache_key(data_cfg: Any, tokenizer, seq_len: int) -> str:
+    parts = [_fingerprint(data_cfg.source), data_cfg.split, data_cfg.text_column, data_cfg.min_tokens,
+             data_cfg.max_documents, seq_len, _tokenizer_id(tokenizer), 1]
+    return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:24]
+
+
+def build_train_dataset(data_cfg: Any, tokenizer, seq_len: int, trust_remote_code: bool = False) -> PackedDataset:
+    """Build (or reuse) the packed token cache for ``data_cfg`` and return the dataset."""
+    cache = Path(data_cfg.cache_dir) / cache_key(data_cfg, tokenizer, seq_len)
+    tokens_path, meta_path = cache.with_suffix(".tokens"), cache.with_suffix(".json")
+    if not meta_path.exists():
+        _write_cache(data_cfg, tokenizer, seq_len, tokens_path, meta_path, trust_remote_code)
+    return PackedDataset(tokens_path, seq_len)
+
+
+def _write_cache(data_cfg, tokenizer, seq_len, tokens_path: Path, meta_path: Path, trust_remote_code: bool) -> None:
+    if tokenizer.eos_token_id is None:
+        raise ValueError("the tokenizer has no eos_token_id; packing separates documents with EOS")
+    tokens_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tokens_path.with_suffix(f".tmp{os.getpid()}")
+    kept = seen = longest = written = 0
+    texts = iter_texts(data_cfg.source, data_cfg.split, data_cfg.text_column, data_cfg.streaming, trust_remote_code)
+    bar = tqdm(desc=f"tokenize {data_cfg.source}", unit="doc")
+    with open(tmp, "wb") as out:
+        batch: list[str] = []
+        for text in texts:
+            batch.append(text)
+            if data_cfg.max_documents is not None and seen + len(batch) >= data_cfg.max_documents:
+                break
+            if len(batch) == BATCH:
+                k, lg, w = _flush(batch, tokenizer, data_cfg.min_tokens, out)
+                kept, longest, written, seen = kept + k, max(longest, lg), written + w, seen + len(batch)
+                bar.update(len(batch))
+                batch = []
+        if batch:
+            k, lg, w = _flush(batch, tokenizer, data_cfg.min_tokens, out)
+            kept, longest, written, seen = kept + k, max(longest, lg), written + w, seen + len(batch)
+            bar.update(len(batch))
+    bar.close()
+    if written < seq_len:
+        tmp.unlink()
+        raise ValueError(
+            f"data source {data_cfg.source}: {kept} of {seen} documents have >= data.min_tokens={data_cfg.min_tokens} "
+            f"tokens (longest: {longest}), {written} tokens in all: not one sample of seq_len={seq_len}"
+        )
+    os.replace(tmp, tokens_path)
+    meta = {"documents": seen, "kept": kept, "tokens": written, "samples": written // seq_len, "seq_len": seq_len,
+            "source": data_cfg.source, "min_tokens": data_cfg.min_tokens}
+    meta_tmp = meta_path.with_suffix(".json.tmp")
+    meta_tmp.write_text(json.dumps(meta, indent=2))
+    os.replace(meta_tmp, meta_path)
+
+
+def _flush(texts: list[str], tokenizer, min_tokens: int, out) -> tuple[int, int, int]:
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    kept = [doc + [tokenizer.eos_token_id] for doc in ids if len(doc) >= min_tokens]
+    if kept:
+        np.concatenate([np.asarray(doc, dtype=np.int32) for doc in kept]).tofile(out)
+    return len(kept), max((len(d) for d in ids), default=0), sum(len(d) for d in kept)
+
+
+def load_meta(dataset: PackedDataset) -> Optional[dict]:
+    path = dataset.path.with_suffix(".json")
+    return json.loads(path.read_text()) if path.exists() else None

@@ -1,0 +1,1 @@
+"""LoRA+ fine-tuning with position interpolation through a sparse attention pattern."""
