@@ -12,6 +12,7 @@ import sys
 
 COMMANDS = [
     "sparse_ft.bench.cli",
+    "sparse_ft.merge",
 ]
 
 

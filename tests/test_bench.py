@@ -25,3 +25,13 @@ def test_bench_rejects_bad_input(capsys):
     assert "comma-separated list of integers" in capsys.readouterr().err
     assert main(["bench", "attention", "--lengths", "64", "--patterns", "bogus"]) == 2
     assert "pattern='bogus' is unknown" in capsys.readouterr().err
+
+
+def test_bench_train_step_cli(tmp_path, capsys):
+    out = tmp_path / "train.json"
+    assert main(["bench", "train", "--lengths", "64", "--patterns", "scca_flow", "--repeats", "1", "--warmup", "0",
+                 "--output", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert [r["pattern"] for r in rows] == ["full", "scca_flow"]
+    assert rows[0]["speedup"] == 1.0 and rows[1]["tokens_per_s"] > 0
+    assert "| scca_flow | 64 |" in capsys.readouterr().out

@@ -102,3 +102,25 @@ def test_two_process_deepspeed_zero3_on_cpu(tmp_path):
     summary = json.loads((out / "train_summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 4
     assert_adapter_reproduces_probe(out)
+
+
+def test_merge_writes_a_plain_model_with_the_trained_positions(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from sparse_ft.cli import main
+
+    train(load_recipe("tiny", overrides(tmp_path / "run", tmp_path / "cache", "deepspeed=null", "train.max_steps=2",
+                                        "attention.pattern=full", "attention.params={}")))
+    assert main(["merge", "--adapter", str(tmp_path / "run" / "adapter"), "--output", str(tmp_path / "merged")]) == 0
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    assert merged.config.rope_parameters["factor"] == 2.0 and merged.config.max_position_embeddings == 512
+    probe = load_file(str(tmp_path / "run" / "adapter_probe.safetensors"))
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=probe["input_ids"]).logits, probe["logits"], atol=1e-4, rtol=1e-4)
+
+
+def test_prepare_train_builds_the_cache_the_trainer_reuses(tmp_path):
+    done = subprocess.run([sys.executable, "data/prepare_train.py", "recipe=tiny", f"data.cache_dir={tmp_path}",
+                           f"train.output_dir={tmp_path / 'run'}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "samples of 512 tokens" in done.stdout and list(tmp_path.glob("*.tokens"))

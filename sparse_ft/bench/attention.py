@@ -8,8 +8,6 @@ kernel launch overheads.
 
 from __future__ import annotations
 
-import statistics
-import time
 from dataclasses import asdict, dataclass
 from typing import Iterable, Optional
 
@@ -18,7 +16,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import attn_patterns
-from sparse_ft.bench.machine import PeakMemory
+from sparse_ft.bench.machine import measure
 
 DEFAULT_PATTERNS = ("s2", "scca_fixed", "scca_flow", "sda", "longmixed")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -37,28 +35,6 @@ class Row:
     fraction_of_ideal: float
     peak_mib: float
     dense_peak_mib: float
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _time(fn, device: torch.device, warmup: int, repeats: int) -> tuple[float, float]:
-    """Median milliseconds over ``repeats`` and the peak memory of one more run."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append((time.perf_counter() - start) * 1e3)
-    peak = PeakMemory(device)
-    with peak.measure():
-        fn()
-    return statistics.median(times), peak.mib
 
 
 def _step(attend, q, k, v):
@@ -97,12 +73,12 @@ def run(
         gen = torch.Generator(device=dev).manual_seed(0)
         make = lambda heads_: torch.randn(1, heads_, n, d, generator=gen, device=dev, dtype=DTYPES[dtype], requires_grad=True)  # noqa: E731
         q, k, v = make(h), make(hk), make(hk)
-        dense_ms, dense_mib = _time(_step(_dense, q, k, v), dev, warmup, repeats)
+        dense_ms, dense_mib = measure(_step(_dense, q, k, v), dev, warmup, repeats)
         bar.update()
         causal_pairs = attn_patterns.get("full").visible_pairs(n, h)
         for name in patterns:
             pattern = attn_patterns.get(name)
-            ms, mib = _time(_step(pattern, q, k, v), dev, warmup, repeats)
+            ms, mib = measure(_step(pattern, q, k, v), dev, warmup, repeats)
             ideal = causal_pairs / pattern.visible_pairs(n, h)
             speedup = dense_ms / ms
             rows.append(Row(name, n, h, d, ms, dense_ms, speedup, ideal, speedup / ideal, mib, dense_mib))

@@ -37,6 +37,15 @@ def add_parser(sub) -> None:
     p.add_argument("--quick", action="store_true", help="N in {2k, 4k}, H=8, D=64: under a minute on 2 CPU cores")
     p.add_argument("--output", type=Path, default=None, help="write results as JSON")
     p.set_defaults(func=main)
+    t = which.add_parser("train", help="tokens/s and peak memory of a training step per pattern vs full attention")
+    t.add_argument("--lengths", default="2048,4096,8192")
+    t.add_argument("--patterns", default="s2,scca_fixed,scca_flow,longmixed")
+    t.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None)
+    t.add_argument("--device", default=None)
+    t.add_argument("--warmup", type=int, default=1)
+    t.add_argument("--repeats", type=int, default=3)
+    t.add_argument("--output", type=Path, default=None)
+    t.set_defaults(func=main_train)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -59,11 +68,36 @@ def main(args: argparse.Namespace) -> int:
         attn_patterns.get(name)  # unknown names fail before any measurement
     machine = describe(device)
     rows = attention.run(lengths, heads, dims, patterns, dtype, str(device), args.kv_heads, args.warmup, args.repeats)
-    print(f"\nforward+backward, batch 1, {dtype}, on {machine}\n")
-    print(attention.markdown(rows))
+    return _report(args, f"forward+backward, batch 1, {dtype}, on {machine}", attention.markdown(rows),
+                   {"machine": machine, "device": str(device), "dtype": dtype, "results": attention.as_dicts(rows)})
+
+
+def main_train(args: argparse.Namespace) -> int:
+    import attn_patterns
+    from sparse_ft.bench import train_step
+    from sparse_ft.bench.machine import describe
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
+    try:
+        lengths = _ints(args.lengths)
+    except argparse.ArgumentTypeError as err:
+        raise ValueError(f"bench train: {err}") from None
+    patterns = [p for p in args.patterns.split(",") if p]
+    for name in patterns:
+        attn_patterns.get(name)
+    machine = describe(device)
+    rows = train_step.run(lengths, patterns, str(device), dtype, args.warmup, args.repeats)
+    title = f"training step (4-layer 256-dim Llama, 8 heads, batch 1, {dtype}) on {machine}"
+    return _report(args, title, train_step.markdown(rows),
+                   {"machine": machine, "device": str(device), "dtype": dtype, "model": train_step.MODEL,
+                    "results": train_step.as_dicts(rows)})
+
+
+def _report(args: argparse.Namespace, title: str, table: str, payload: dict) -> int:
+    print(f"\n{title}\n\n{table}")
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)
-        payload = {"machine": machine, "device": str(device), "dtype": dtype, "results": attention.as_dicts(rows)}
         args.output.write_text(json.dumps(payload, indent=2))
         print(f"\nwrote {args.output}")
     return 0

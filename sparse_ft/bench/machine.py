@@ -5,8 +5,10 @@ from __future__ import annotations
 import ctypes
 import platform
 import re
+import statistics
+import time
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -61,3 +63,26 @@ class PeakMemory:
             return
         yield self
         self.mib = (_rss_kib("VmHWM") - before) / 1024
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(fn: Callable[[], object], device: torch.device, warmup: int, repeats: int) -> tuple[float, float]:
+    """Median milliseconds of ``fn`` over ``repeats`` runs after ``warmup``, and the peak
+    memory growth (MiB) of one more run."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    peak = PeakMemory(device)
+    with peak.measure():
+        fn()
+    return statistics.median(times), peak.mib

@@ -46,7 +46,14 @@ class DataOrder:
 
 
 def _init_distributed(use_deepspeed: bool) -> None:
-    if not use_deepspeed or dist.is_initialized():
+    if not use_deepspeed:
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise ValueError(
+                f"deepspeed=null trains in one process, but the launcher started WORLD_SIZE={os.environ['WORLD_SIZE']}: "
+                "set deepspeed to a config in ds_configs/ (e.g. deepspeed=zero3_bf16) for several processes"
+            )
+        return
+    if dist.is_initialized():
         return
     import deepspeed
 

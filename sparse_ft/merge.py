@@ -1,0 +1,44 @@
+"""``sparse-ft merge``: fold a trained adapter into its base and write a plain HF model whose
+config carries the adapter's RoPE configuration, so it loads anywhere with no sparse-ft."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("merge", help="merge a trained adapter into its base model")
+    p.add_argument("--adapter", required=True, help="adapter directory written by train.py")
+    p.add_argument("--base", default=None, help="base model (default: the one the adapter was trained on)")
+    p.add_argument("--output", required=True, type=Path)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--trust-remote-code", action="store_true")
+    p.set_defaults(func=main)
+
+
+def merge(adapter: str, output: Path, base: str | None = None, dtype: str = "float32", trust_remote_code: bool = False) -> Path:
+    from sparse_ft.train.adapter import load_adapter_model
+    from sparse_ft.train.model_setup import load_tokenizer
+
+    model = load_adapter_model(adapter, base, DTYPES[dtype], trust_remote_code).merge_and_unload()
+    tmp = output.with_name(output.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(str(tmp), safe_serialization=True)
+    tokenizer_dir = adapter if (Path(adapter) / "tokenizer_config.json").exists() else model.config._name_or_path
+    load_tokenizer(str(tokenizer_dir), trust_remote_code).save_pretrained(str(tmp))
+    shutil.rmtree(output, ignore_errors=True)
+    os.replace(tmp, output)
+    return output
+
+
+def main(args: argparse.Namespace) -> int:
+    out = merge(args.adapter, args.output, args.base, args.dtype, args.trust_remote_code)
+    print(f"merged model written to {out}")
+    return 0
