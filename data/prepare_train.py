@@ -19,7 +19,7 @@ def main(argv: list[str]) -> int:
     if recipe.model.name_or_path == "tiny":
         from pathlib import Path
 
-        materialize_tiny(recipe, Path(base_model_path(recipe)))
+        materialize_tiny(Path(base_model_path(recipe)), recipe.train.seed, **recipe.model.tiny)
     tokenizer = load_tokenizer(base_model_path(recipe), recipe.model.trust_remote_code)
     dataset = build_train_dataset(recipe.data, tokenizer, recipe.seq_len, recipe.model.trust_remote_code)
     print(f"{len(dataset)} samples of {recipe.seq_len} tokens at {dataset.path}: {load_meta(dataset)}")

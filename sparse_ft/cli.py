@@ -13,6 +13,7 @@ import sys
 COMMANDS = [
     "sparse_ft.bench.cli",
     "sparse_ft.merge",
+    "sparse_ft.evaluation.cli",
 ]
 
 

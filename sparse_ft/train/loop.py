@@ -99,7 +99,7 @@ def train(recipe: Recipe) -> dict:
         save_resolved(recipe, out)
         print(f"recipe {recipe.name}:\n{format_recipe(recipe)}", flush=True)
         if recipe.model.name_or_path == "tiny":
-            materialize_tiny(recipe, out / "base-model")
+            materialize_tiny(out / "base-model", recipe.train.seed, **recipe.model.tiny)
     barrier()
     base = base_model_path(recipe)
     tokenizer = load_tokenizer(base, recipe.model.trust_remote_code)

@@ -18,16 +18,17 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 _KEEP_ALIVE: list = []  # transformers reads the ZeRO-3 config through a weak global reference
 
 
-def materialize_tiny(recipe: Recipe, directory: Path) -> Path:
+def materialize_tiny(directory: Path, seed: int, **overrides: Any) -> Path:
     """The built-in tiny model, written once as an ordinary local checkpoint so that adapters
     name a base that exists and every later step loads it like any other model."""
     from sparse_ft.tiny import tiny_llama, tiny_tokenizer
 
     if (directory / "config.json").exists():
         return directory
+    directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = directory.with_name(directory.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    tiny_llama(seed=recipe.train.seed, **recipe.model.tiny).save_pretrained(tmp)
+    tiny_llama(seed=seed, **overrides).save_pretrained(tmp)
     tiny_tokenizer().save_pretrained(tmp)
     os.replace(tmp, directory)
     return directory

@@ -1,0 +1,1 @@
+"""One evaluation path for every method: sliding-window perplexity and passkey retrieval."""

@@ -1,0 +1,55 @@
+"""Which tokens each sliding window scores: the part every "cannot reproduce the paper's PPL"
+report comes down to, kept in one place and tested by hand.
+
+A window is ``Window(begin, end, first, last)``: the model reads tokens ``[begin, end)`` and
+the predictions made at input positions ``[first, last)`` are scored (position ``p`` predicts
+token ``p + 1``).
+
+``standard`` (Hugging Face / Press et al.): windows of length L start at 0, stride,
+2·stride, …; the first scores all its predictions, each later one only the tokens no earlier
+window scored (its last ``end − previous end``); PPL = exp(total NLL / scored tokens).
+
+``longlora`` (LongLoRA's eval.py): windows start every stride while ``start + L < N``, the
+last of them dropped as its ``all_ix.pop()`` does; every one of the L predictions counts,
+and PPL = exp(mean over windows of the window's mean loss).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+SCORINGS = ("standard", "longlora")
+
+
+class Window(NamedTuple):
+    begin: int
+    end: int
+    first: int
+    last: int
+
+    @property
+    def scored(self) -> int:
+        return self.last - self.first
+
+
+def plan(total: int, length: int, stride: int, scoring: str = "standard", max_windows: Optional[int] = None) -> list[Window]:
+    if scoring not in SCORINGS:
+        raise ValueError(f"--scoring {scoring!r} is unknown; allowed: {', '.join(SCORINGS)}")
+    if length < 2 or stride < 1:
+        raise ValueError(f"window length={length} must be >= 2 and stride={stride} >= 1")
+    if scoring == "standard":
+        if total < 2:
+            raise ValueError(f"{total} tokens: nothing to predict")
+        windows, prev_end = [], 0
+        for begin in range(0, total, stride):
+            end = min(begin + length, total)
+            windows.append(Window(begin, end, max(begin, prev_end - 1), end - 1))
+            prev_end = end
+            if end == total or (max_windows and len(windows) == max_windows):
+                break
+        return windows
+    starts = list(range(0, total - length, stride))[:-1]
+    if not starts:
+        raise ValueError(f"--scoring longlora needs more than length+stride={length + stride} tokens, the data has {total}")
+    windows = [Window(s, s + length, s, s + length) for s in starts]
+    return windows[:max_windows] if max_windows else windows
