@@ -13,3 +13,7 @@ from attn_patterns.base import Pattern
 from attn_patterns.registry import build, get, names, register
 
 __all__ = ["Pattern", "build", "get", "names", "register"]
+
+# Training-free methods register themselves on import; they depend only on base/registry.
+from attn_patterns import dca as _dca  # noqa: E402,F401
+from attn_patterns import longheads as _longheads  # noqa: E402,F401

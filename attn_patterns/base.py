@@ -4,7 +4,8 @@ The rule is an arithmetic progression of key positions ``lo, lo+step, ..., hi`` 
 query, always intersected with causality (``j <= i``). That one form covers every chunked,
 shifted and dilated pattern of the SCCA / LongLoRA family, and gives for free the dense mask
 (tests and pictures), the FlexAttention mask and the exact count of visible pairs (the
-benchmark's ideal speedup) in O(H·N) instead of O(H·N²).
+benchmark's ideal speedup) in O(H·N) instead of O(H·N²). Patterns it does not fit override
+the mask_mod ``rule`` instead.
 """
 
 from __future__ import annotations
@@ -31,11 +32,18 @@ def check_positive(name: str, value: Any, pattern: str) -> int:
 
 
 class Pattern:
-    """Base class. Subclasses define ``keys`` and ``forward``; ``head_multiple`` is the number
-    the head count must be divisible by (e.g. 2 for half/half patterns)."""
+    """Base class. A subclass states its rule either as ``keys`` (a progression per head and
+    query: exact pair counts in O(H·N)) or, when that form does not fit, by overriding
+    ``rule`` (an attention-gym mask_mod: pair counts then take O(H·N²) time in row blocks,
+    still no N×N tensor). Causality is added to either, always. ``forward`` is the fast
+    path. ``head_multiple`` is the number the head count must be divisible by (``head_rule``
+    says why); ``native_gqa`` says ``forward`` accepts K/V with fewer heads than q
+    (otherwise ``__call__`` repeats them first)."""
 
     name: str = "pattern"
     head_multiple: int = 1
+    head_rule: str = "the pattern splits heads into groups"
+    native_gqa: bool = False
 
     def __init__(self, backend: Optional[str] = None, **params: Any) -> None:
         self.backend = backend
@@ -52,7 +60,7 @@ class Pattern:
         raise NotImplementedError
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str) -> torch.Tensor:
-        """Fast path; k/v already have as many heads as q."""
+        """Fast path. k/v have as many heads as q unless ``native_gqa`` (then ``H % Hkv == 0``)."""
         raise NotImplementedError
 
     # --- derived from the rule ------------------------------------------------------------
@@ -60,16 +68,19 @@ class Pattern:
         if num_heads % self.head_multiple:
             raise ValueError(
                 f"{self.name}: num_heads={num_heads} must be divisible by {self.head_multiple} "
-                f"({self._head_rule()})"
+                f"({self.head_rule})"
             )
 
-    def _head_rule(self) -> str:
-        return "the pattern splits heads into groups"
+    def rule(self, h: torch.Tensor, i: torch.Tensor, j: torch.Tensor, n: int, num_heads: int) -> torch.Tensor:
+        """attention-gym style mask_mod before causality: True where query i of head h may
+        attend key j. Derived from ``keys``; override it where a progression does not fit."""
+        lo, hi, step = self.keys(h, i, n, num_heads)
+        return (j >= lo) & (j <= hi) & ((j - lo) % step == 0)
 
     def visible(self, h: torch.Tensor, i: torch.Tensor, j: torch.Tensor, n: int, num_heads: int) -> torch.Tensor:
-        """attention-gym style mask_mod: True where query i of head h may attend key j."""
-        lo, hi, step = self.keys(h, i, n, num_heads)
-        return (j >= lo) & (j <= hi) & ((j - lo) % step == 0) & (j <= i)
+        """The rule, always intersected with causality: what mask(), visible_pairs() and the
+        flex backend use."""
+        return self.rule(h, i, j, n, num_heads) & (j <= i)
 
     def mask(self, seq_len: int, num_heads: int) -> torch.Tensor:
         """Dense bool ``(num_heads, seq_len, seq_len)``; for tests and pictures only."""
@@ -80,14 +91,29 @@ class Pattern:
         return self.visible(h, i, j, seq_len, num_heads).expand(num_heads, seq_len, seq_len).clone()
 
     def visible_pairs(self, seq_len: int, num_heads: int) -> int:
-        """Number of (head, query, key) triples the pattern computes, without an N×N tensor."""
+        """Number of True entries of ``mask(seq_len, num_heads)`` (the benchmark's ideal
+        speedup is causal pairs / pattern pairs), without an N×N tensor."""
         self.check_heads(num_heads)
         h = torch.arange(num_heads)[:, None]
         i = torch.arange(seq_len)[None, :]
-        lo, hi, step = self.keys(h, i, seq_len, num_heads)
+        try:
+            lo, hi, step = self.keys(h, i, seq_len, num_heads)
+        except NotImplementedError:
+            return self._count_visible(seq_len, num_heads)
         hi = torch.minimum(hi, i)
         count = torch.where(hi >= lo, torch.div(hi - lo, step, rounding_mode="floor") + 1, 0)
         return int(count.expand(num_heads, seq_len).sum())
+
+    def _count_visible(self, n: int, num_heads: int) -> int:
+        """Row blocks of the mask_mod, each at most ~4M entries."""
+        h = torch.arange(num_heads)[:, None, None]
+        j = torch.arange(n)[None, None, :]
+        rows = max(1, (1 << 22) // (num_heads * n))
+        total = 0
+        for start in range(0, n, rows):
+            i = torch.arange(start, min(n, start + rows))[None, :, None]
+            total += int(self.visible(h, i, j, n, num_heads).expand(num_heads, i.shape[1], n).sum())
+        return total
 
     # --- the call -------------------------------------------------------------------------
     def __call__(
@@ -102,7 +128,7 @@ class Pattern:
 
             return flex_forward(self, q, k, v)
         groups = num_heads // k.shape[1]
-        if groups > 1:
+        if groups > 1 and not self.native_gqa:
             k = k.repeat_interleave(groups, dim=1)
             v = v.repeat_interleave(groups, dim=1)
         return self.forward(q, k, v, chosen)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from attn_patterns.base import Keys, Pattern, check_positive, chunk_size
-from attn_patterns.kernels import block_attention, chunk, unchunk
+from attn_patterns.kernels import BACKENDS, block_attention, chunk, unchunk
 
 
 def _one_block(x: torch.Tensor) -> torch.Tensor:
@@ -38,7 +38,19 @@ def local_attention(q, k, v, w: int, backend: str) -> torch.Tensor:
     return torch.cat(outs, dim=2)
 
 
-class Causal(Pattern):
+class _Builtin(Pattern):
+    """The patterns of this module: kernels that take grouped K/V as they are, on the
+    backends of :mod:`attn_patterns.kernels` (checked here, so a recipe typo fails at ``get``)."""
+
+    native_gqa = True
+
+    def __init__(self, backend: Optional[str] = None, **params: Any) -> None:
+        if backend is not None and backend not in BACKENDS:
+            raise ValueError(f"{self.name}: backend={backend!r} is unknown; allowed: {', '.join(BACKENDS)} or None (= sdpa)")
+        super().__init__(backend, **params)
+
+
+class Causal(_Builtin):
     """``full``: every earlier key."""
 
     name = "full"
@@ -50,7 +62,7 @@ class Causal(Pattern):
         return causal_attention(q, k, v, backend)
 
 
-class _Chunked(Pattern):
+class _Chunked(_Builtin):
     def __init__(self, chunks: int = 4, backend: Optional[str] = None) -> None:
         super().__init__(backend, chunks=check_positive("chunks", chunks, self.name))
         self.chunks = chunks
@@ -159,7 +171,7 @@ class LaggedChunk(_Chunked):
         return unchunk(torch.cat([first, rest], dim=2), n)
 
 
-class Dilated(Pattern):
+class Dilated(_Builtin):
     """``sda``: head h takes offset r = h % dilation; queries and keys ≡ r (mod dilation)
     attend causally among themselves (LongNet dilation over the whole sequence); the other
     queries get 0 from that head."""
@@ -178,33 +190,49 @@ class Dilated(Pattern):
         return lo, hi, torch.full_like(i, self.dilation)
 
     def forward(self, q, k, v, backend):
-        # View the sequence as (M, dilation) and let head h gather column h % dilation: one
-        # causal call for all heads. Tail padding sits after every real token, so it is
-        # invisible to real queries; the rows it adds are dropped.
+        # View the sequence as (M, dilation) and let head h take column h % dilation of its
+        # own q and of its K/V head h // groups: one causal call for all heads, K/V never
+        # repeated. Tail padding sits after every real token, so it is invisible to real
+        # queries; the rows it adds are dropped.
         b, h, n, d = q.shape
         step = self.dilation
         m = -(-n // step)
-        grid = lambda x: F.pad(x, (0, 0, 0, m * step - n)).view(b, h, m, step, d)  # noqa: E731
-        column = (torch.arange(h, device=q.device) % step).view(1, h, 1, 1, 1).expand(b, h, m, 1, d)
-        picked = [grid(x).gather(3, column).squeeze(3) for x in (q, k, v)]
-        out = causal_attention(*picked, backend).unsqueeze(3)
-        spread = torch.zeros(b, h, m, step, d, dtype=q.dtype, device=q.device).scatter(3, column, out)
+        heads = torch.arange(h, device=q.device)
+        column = heads % step
+
+        def pick(x: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+            grid = F.pad(x, (0, 0, 0, m * step - n)).view(b, x.shape[1], m, step, d)
+            return grid[:, source, :, column].transpose(0, 1)  # (B, H, M, D)
+
+        groups = h // k.shape[1]
+        out = causal_attention(pick(q, heads), pick(k, heads // groups), pick(v, heads // groups), backend)
+        index = column.view(1, h, 1, 1, 1).expand(b, h, m, 1, d)
+        spread = torch.zeros(b, h, m, step, d, dtype=q.dtype, device=q.device).scatter(3, index, out.unsqueeze(3))
         return spread.view(b, h, m * step, d)[:, :, :n]
 
 
 PatternSpec = Union[str, Pattern, dict]
 
 
-class Mixed(Pattern):
+class Mixed(_Builtin):
     """Heads split in order among patterns: ``[(spec, share), ...]`` with shares summing to 1.
     Sub-patterns see their own heads numbered from 0."""
 
     name = "mixed"
 
-    def __init__(self, parts: Sequence[tuple[PatternSpec, float]], backend: Optional[str] = None, name: str = "mixed", **params: Any) -> None:
+    def __init__(
+        self,
+        parts: Sequence[tuple[PatternSpec, float]],
+        backend: Optional[str] = None,
+        name: str = "mixed",
+        head_multiple: int = 1,
+        head_rule: str = "",
+        **params: Any,
+    ) -> None:
         from attn_patterns.registry import build
 
         self.name = name
+        self.head_multiple, self.head_rule = head_multiple, head_rule
         if not parts:
             raise ValueError(f"{name}: parts=[] must list at least one (pattern, share of heads)")
         built, shares = [], []
@@ -241,6 +269,7 @@ class Mixed(Pattern):
         return spans
 
     def check_heads(self, num_heads: int) -> None:
+        super().check_heads(num_heads)
         self.split(num_heads)
 
     def keys(self, h, i, n, num_heads) -> Keys:
@@ -253,12 +282,35 @@ class Mixed(Pattern):
             lo, hi, step = (torch.where(inside, new, old) for new, old in ((p_lo, lo), (p_hi, hi), (p_step, step)))
         return lo, hi, step
 
+    def rule(self, h, i, j, n, num_heads):
+        """Each part's own rule on its heads (works for parts stated as a mask_mod only)."""
+        out = None
+        for pattern, start, end in self.split(num_heads):
+            own = ((h >= start) & (h < end)) & pattern.rule((h - start).clamp(0, end - start - 1), i, j, n, end - start)
+            out = own if out is None else out | own
+        return out
+
     def forward(self, q, k, v, backend):
         spans = self.split(q.shape[1])
+        groups = q.shape[1] // k.shape[1]
         sizes = [end - start for _, start, end in spans]
         # split (not slicing): its backward is one cat instead of a zero-filled copy per part
-        pieces = zip(*(x.split(sizes, dim=1) for x in (q, k, v)))
-        return torch.cat([pattern.forward(*qkv, backend) for (pattern, _, _), qkv in zip(spans, pieces)], dim=1)
+        qs = q.split(sizes, dim=1)
+        if all(p.native_gqa and s % groups == 0 and e % groups == 0 for p, s, e in spans):
+            kvs = zip(*(x.split([n // groups for n in sizes], dim=1) for x in (k, v)))
+        else:
+            kvs = (_kv_heads(k, v, start, end, groups, p.native_gqa) for p, start, end in spans)
+        return torch.cat([p.forward(qh, *kv, backend) for (p, _, _), qh, kv in zip(spans, qs, kvs)], dim=1)
+
+
+def _kv_heads(k, v, start: int, end: int, groups: int, native: bool):
+    """K/V for query heads ``[start, end)``: the KV heads they read, as they are when the
+    slice covers whole KV groups or lies inside one; repeated only when it cuts across a
+    group boundary or the sub-pattern needs one K/V head per query head."""
+    lo, hi = start // groups, (end - 1) // groups + 1
+    if native and ((start % groups == 0 and end % groups == 0) or hi - lo == 1):
+        return k[:, lo:hi], v[:, lo:hi]
+    return tuple(x[:, lo:hi].repeat_interleave(groups, dim=1)[:, start - lo * groups : end - lo * groups] for x in (k, v))
 
 
 # --- the published patterns -----------------------------------------------------------------
@@ -266,12 +318,14 @@ class Mixed(Pattern):
 
 def s2(chunks: int = 4, backend: Optional[str] = None) -> Mixed:
     """LongLoRA S²: half the heads in chunks, half in chunks shifted by g."""
-    return Mixed([(Local(chunks), 0.5), (ShiftedChunks(chunks), 0.5)], backend, name="s2", chunks=chunks)
+    parts = [(Local(chunks), 0.5), (ShiftedChunks(chunks), 0.5)]
+    return Mixed(parts, backend, "s2", 2, "half the heads in chunks, half in shifted chunks", chunks=chunks)
 
 
 def scca_fixed(chunks: int = 4, backend: Optional[str] = None) -> Mixed:
     """SCCA fixed: heads [0, H/2) see keys rolled by g, heads [H/2, H) their own chunk."""
-    return Mixed([(RolledKeys(chunks), 0.5), (Local(chunks), 0.5)], backend, name="scca_fixed", chunks=chunks)
+    parts = [(RolledKeys(chunks), 0.5), (Local(chunks), 0.5)]
+    return Mixed(parts, backend, "scca_fixed", 2, "half the heads on shifted keys, half in chunks", chunks=chunks)
 
 
 def scca_flow(chunks: int = 4, backend: Optional[str] = None) -> Mixed:
@@ -279,7 +333,8 @@ def scca_flow(chunks: int = 4, backend: Optional[str] = None) -> Mixed:
     query chunk reaches each of the ``chunks`` chunks up to itself."""
     check_positive("chunks", chunks, "scca_flow")
     parts = [(LaggedChunk(chunks, lag), 1.0 / chunks) for lag in range(chunks)]
-    return Mixed(parts, backend, name="scca_flow", chunks=chunks)
+    rule = f"one group of num_heads/chunks heads per look-back 0..{chunks - 1}; lower chunks or change heads"
+    return Mixed(parts, backend, "scca_flow", chunks, rule, chunks=chunks)
 
 
 def sda(dilation: int = 2, backend: Optional[str] = None) -> Dilated:
@@ -290,7 +345,8 @@ def longmixed(chunks: int = 4, backend: Optional[str] = None) -> Mixed:
     """SCCA LongMixed: heads [H/4 | H/4 | H/2] = scca_fixed | sda θ=2 | sda θ=4
     (the paper's 8 / 8 / 16 of 32 heads)."""
     parts = [(scca_fixed(chunks), 0.25), (Dilated(2), 0.25), (Dilated(4), 0.5)]
-    return Mixed(parts, backend, name="longmixed", chunks=chunks)
+    rule = "heads split H/4 | H/4 | H/2 into scca_fixed | sda 2 | sda 4, and scca_fixed halves its heads"
+    return Mixed(parts, backend, "longmixed", 8, rule, chunks=chunks)
 
 
 def full(backend: Optional[str] = None) -> Causal:

@@ -1,10 +1,16 @@
 """Name -> pattern factory. Other modules (training-free methods) add theirs with
-:func:`register`."""
+:func:`register`, as a call or a decorator::
+
+    @register("dca")
+    def dca(chunk_size: int = 1024, backend: str | None = None) -> Pattern: ...
+
+A factory's keyword parameters are the pattern's parameters: :func:`get` checks names
+against its signature, so a typo in a recipe fails with the allowed list."""
 
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from attn_patterns import patterns
 from attn_patterns.base import Pattern
@@ -20,8 +26,17 @@ _FACTORIES: dict[str, Callable[..., Pattern]] = {
 }
 
 
-def register(name: str, factory: Callable[..., Pattern]) -> None:
-    _FACTORIES[name] = factory
+def register(name: str, factory: Optional[Callable[..., Pattern]] = None) -> Callable[..., Any]:
+    """Add ``factory`` under ``name`` (replacing an earlier one); without ``factory``, a
+    decorator doing the same. Returns the factory."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"pattern name={name!r} must be a non-empty string")
+
+    def add(f: Callable[..., Pattern]) -> Callable[..., Pattern]:
+        _FACTORIES[name] = f
+        return f
+
+    return add if factory is None else add(factory)
 
 
 def names() -> list[str]:

@@ -9,7 +9,7 @@ from typing import Any
 __version__ = "0.1.0"
 
 
-def use_attention(model: Any, name: str, **params: Any) -> Any:
+def use_attention(model: Any, name: Any, **params: Any) -> Any:
     """Switch every attention layer of a loaded transformers model to pattern ``name``."""
     from sparse_ft.attention import use_attention as _use_attention
 

@@ -14,6 +14,8 @@ COMMANDS = [
     "sparse_ft.bench.cli",
     "sparse_ft.merge",
     "sparse_ft.evaluation.cli",
+    "sparse_ft.pretrain",
+    "sparse_ft.experiment",
 ]
 
 

@@ -36,23 +36,24 @@ class ModelSection:
 @dataclass
 class AttentionSection:
     pattern: str = "scca_flow"
-    params: dict = field(default_factory=dict)
-    backend: Optional[str] = None
+    params: dict = field(default_factory=dict)  # checked against attn_patterns.get(pattern, **params)
+    backend: Optional[str] = None  # null = sdpa; auto = flash-attn where installed (CUDA, fp16/bf16), else sdpa
 
 
 @dataclass
 class LoraSection:
     r: int = 8
     alpha: int = 16
-    dropout: float = 0.05
-    target_modules: list = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
-    # LongLoRA's LoRA+: embeddings and normalisation layers train too.
-    extra_trainable: list = field(default_factory=lambda: ["embed_tokens", "norm"])
+    dropout: float = 0.0  # LongLoRA fine-tune.py
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    # LongLoRA's LoRA+: embeddings and normalisation layers train too (PEFT modules_to_save,
+    # matched by name suffix: "norm" covers every RMSNorm).
+    extra_trainable: list[str] = field(default_factory=lambda: ["embed_tokens", "norm"])
 
 
 @dataclass
 class DataSection:
-    source: str = "togethercomputer/RedPajama-Data-1T-Sample"
+    source: str = "hf://datasets/togethercomputer/RedPajama-Data-1T-Sample/*.jsonl"  # see sparse_ft/data/sources.py
     split: str = "train"
     text_column: str = "text"
     min_tokens: int = 0
@@ -69,7 +70,7 @@ class TrainSection:
     num_epochs: int = 1
     lr: float = 2e-5
     weight_decay: float = 0.0
-    betas: list = field(default_factory=lambda: [0.9, 0.999])
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     warmup_steps: int = 20
     scheduler: str = "constant"
     per_device_batch_size: int = 1
@@ -81,7 +82,7 @@ class TrainSection:
     save_total_limit: int = 2
     log_steps: int = 1
     resume: str = "auto"  # auto | never | a checkpoint directory
-    report_to: list = field(default_factory=lambda: ["tensorboard"])
+    report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
 
 
 @dataclass
@@ -105,7 +106,7 @@ class Recipe:
 CHOICES = {
     "model.dtype": ("float32", "float16", "bfloat16"),
     "model.rope_method": ("linear", "dynamic", "yarn"),
-    "attention.backend": (None, "sdpa", "flash", "flex"),
+    "attention.backend": (None, "auto", "sdpa", "flash", "flex"),
     "train.scheduler": ("constant", "linear", "cosine"),
 }
 POSITIVE = {"model.target_length", "lora.r", "lora.alpha", "train.per_device_batch_size",
@@ -128,6 +129,13 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
             return None
         (inner,) = [a for a in typing.get_args(tp) if a is not type(None)]
         return _coerce(key, value, inner)
+    if origin is list:
+        (inner,) = typing.get_args(tp)
+        if isinstance(value, str) and inner is str:
+            value = [value]  # train.report_to=none on a command line
+        if not isinstance(value, list):
+            _fail(key, value, f"expected a list of {_type_name(inner)}")
+        return [_coerce(f"{key}[{i}]", item, inner) for i, item in enumerate(value)]
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if tp is float and isinstance(value, str):
@@ -175,14 +183,24 @@ def _validate(recipe: Recipe) -> None:
         _fail("train.max_steps", recipe.train.max_steps, "must be >= 1, or -1 to run train.num_epochs")
     if recipe.train.lr <= 0:
         _fail("train.lr", recipe.train.lr, "must be > 0")
-    if recipe.train.warmup_steps < 0:
-        _fail("train.warmup_steps", recipe.train.warmup_steps, "must be >= 0")
+    for key in ("warmup_steps", "weight_decay"):
+        if getattr(recipe.train, key) < 0:
+            _fail(f"train.{key}", getattr(recipe.train, key), "must be >= 0")
+    if recipe.train.max_grad_norm <= 0:
+        _fail("train.max_grad_norm", recipe.train.max_grad_norm, "must be > 0 (gradients are clipped to this norm)")
+    if len(recipe.train.betas) != 2 or not all(0 <= b < 1 for b in recipe.train.betas):
+        _fail("train.betas", recipe.train.betas, "two numbers in [0, 1)")
     if not 0 <= recipe.lora.dropout < 1:
         _fail("lora.dropout", recipe.lora.dropout, "must be in [0, 1)")
+    if not recipe.lora.target_modules:
+        _fail("lora.target_modules", recipe.lora.target_modules, "at least one module name, e.g. [q_proj, k_proj, v_proj, o_proj]")
     if recipe.data.min_tokens < 0:
         _fail("data.min_tokens", recipe.data.min_tokens, "must be >= 0")
-    if recipe.data.seq_len is not None and recipe.data.seq_len < 2:
-        _fail("data.seq_len", recipe.data.seq_len, "must be >= 2 or null (= model.target_length)")
+    if recipe.data.max_documents is not None and recipe.data.max_documents < 1:
+        _fail("data.max_documents", recipe.data.max_documents, "must be >= 1, or null for all")
+    if recipe.data.seq_len is not None and not 2 <= recipe.data.seq_len <= recipe.model.target_length:
+        _fail("data.seq_len", recipe.data.seq_len,
+              f"must be in [2, model.target_length={recipe.model.target_length}], or null (= model.target_length)")
     for reporter in recipe.train.report_to:
         if reporter not in REPORTERS:
             _fail("train.report_to", recipe.train.report_to, f"entries allowed: {', '.join(REPORTERS)}")
@@ -192,10 +210,10 @@ def _validate(recipe: Recipe) -> None:
 
     try:
         attn_patterns.get(recipe.attention.pattern, **recipe.attention.params)
-    except ValueError as err:
+    except (TypeError, ValueError) as err:
         raise ValueError(f"recipe key attention.pattern / attention.params: {err}") from None
     if recipe.deepspeed is not None:
-        deepspeed_config_path(recipe.deepspeed)
+        _check_deepspeed(recipe, _read_deepspeed(recipe.deepspeed))
 
 
 def _flatten(data: dict, prefix: str = "") -> dict:
@@ -209,6 +227,7 @@ def _flatten(data: dict, prefix: str = "") -> dict:
 
 
 def find_recipe(name_or_path: str) -> Path:
+    """``recipes/**/NAME.yaml``, or a path to a YAML file."""
     path = Path(name_or_path)
     if path.suffix in (".yaml", ".yml") or path.exists():
         if not path.is_file():
@@ -216,7 +235,7 @@ def find_recipe(name_or_path: str) -> Path:
         return path
     found = sorted(p for d in RECIPE_DIRS for p in d.rglob(f"{name_or_path}.yaml"))
     if not found:
-        known = sorted({p.stem for d in RECIPE_DIRS for p in d.rglob("*.yaml")})
+        known = recipe_names()
         close = difflib.get_close_matches(name_or_path, known, n=3)
         hint = f" (did you mean {', '.join(close)}?)" if close else ""
         raise ValueError(f"recipe={name_or_path!r} not found under recipes/{hint}; known: {', '.join(known)}")
@@ -225,35 +244,56 @@ def find_recipe(name_or_path: str) -> Path:
     return found[0]
 
 
+def recipe_names() -> list[str]:
+    return sorted({p.stem for d in RECIPE_DIRS for p in d.rglob("*.yaml")})
+
+
 def _merge(base: dict, over: dict) -> dict:
     out = copy.deepcopy(base)
     for key, value in over.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict) and key != "params":
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
             out[key] = _merge(out[key], value)
         else:
             out[key] = copy.deepcopy(value)
     return out
 
 
+def _layer(base: dict, over: dict) -> dict:
+    """``over`` deep-merged onto ``base``. One pattern's parameters mean nothing to another, so
+    a layer that changes ``attention.pattern`` starts from that pattern's defaults: it keeps
+    only the ``attention.params`` it gives itself."""
+    base_att, over_att = base.get("attention"), over.get("attention")
+    if isinstance(base_att, dict) and isinstance(over_att, dict) and over_att.get("pattern", base_att.get("pattern")) != base_att.get("pattern"):
+        base = {**base, "attention": {k: v for k, v in base_att.items() if k != "params"}}
+    return _merge(base, over)
+
+
 def _read(path: Path, seen: tuple = ()) -> dict:
-    if path in seen:
-        raise ValueError(f"recipe inherit cycle: {' -> '.join(map(str, seen + (path,)))}")
-    data = yaml.safe_load(path.read_text()) or {}
+    if path.resolve() in seen:
+        raise ValueError(f"recipe inherit cycle: {' -> '.join(map(str, seen + (path.resolve(),)))}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ValueError(f"recipe {path} is not valid YAML: {err}") from None
     if not isinstance(data, dict):
-        raise ValueError(f"recipe {path} must be a YAML mapping")
+        raise ValueError(f"recipe {path} must be a YAML mapping of sections (model, attention, lora, data, train, deepspeed)")
     parent = data.pop("inherit", None)
     if parent:
-        data = _merge(_read(find_recipe(parent), seen + (path,)), data)
+        data = _layer(_read(find_recipe(parent), seen + (path.resolve(),)), data)
     return data
 
 
 def parse_overrides(overrides: list[str]) -> dict:
+    """``["train.lr=1e-4", "deepspeed=null"]`` -> nested dict; values are YAML scalars/lists."""
     out: dict = {}
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ValueError(f"override {item!r} must look like dotted.key=value")
-        value = yaml.safe_load(raw) if raw else ""
+        try:
+            value = yaml.safe_load(raw) if raw else ""
+        except yaml.YAMLError:
+            value = raw  # e.g. an unbalanced bracket: keep the text, validation names the key
         node = out
         parts = key.split(".")
         for part in parts[:-1]:
@@ -265,12 +305,24 @@ def parse_overrides(overrides: list[str]) -> dict:
 
 
 def load_recipe(name_or_path: str, overrides: list[str] = ()) -> Recipe:
+    """The recipe ``name_or_path`` (name under recipes/ or a YAML path) with its ``inherit``
+    chain and ``dotted.key=value`` overrides applied, typed and validated."""
     path = find_recipe(name_or_path)
-    data = _merge(_read(path), parse_overrides(list(overrides)))
+    data = _layer(_read(path), parse_overrides(list(overrides)))
     recipe = _build(Recipe, data, "")
     recipe.name = recipe.name or path.stem
     _validate(recipe)
+    if recipe.attention.backend == "auto":
+        recipe.attention.backend = _auto_backend(recipe.model.dtype)
     return recipe
+
+
+def _auto_backend(dtype: str) -> str:
+    """flash-attn where it can run (installed, CUDA, half precision), SDPA elsewhere. Resolved
+    when the recipe loads on the machine that trains, so the saved recipe names what ran."""
+    from attn_patterns.kernels import flash_available
+
+    return "flash" if dtype != "float32" and flash_available() else "sdpa"
 
 
 def format_recipe(recipe: Recipe) -> str:
@@ -278,16 +330,17 @@ def format_recipe(recipe: Recipe) -> str:
 
 
 def save_resolved(recipe: Recipe, output_dir: str | os.PathLike) -> Path:
-    """The exact configuration a run used, next to its outputs."""
+    """The exact configuration a run used, next to its outputs; ``recipe=<that file>`` reruns it."""
     path = Path(output_dir) / "recipe.resolved.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(format_recipe(recipe))
     os.replace(tmp, path)
     return path
 
 
 def deepspeed_config_path(name_or_path: str) -> Path:
+    """``zero3_fp16`` -> ds_configs/zero3_fp16.json; a path is taken as it is."""
     path = Path(name_or_path)
     if not path.suffix:
         path = DS_CONFIG_DIR / f"{name_or_path}.json"
@@ -299,16 +352,77 @@ def deepspeed_config_path(name_or_path: str) -> Path:
     return path
 
 
-def resolve_deepspeed_config(recipe: Recipe, world_size: int, on_cuda: bool) -> dict:
-    """Fill the config's "auto" values from the recipe, so the optimizer, its lr and the batch
-    sizes are the recipe's. The schedule is built by the trainer, never by the config."""
-    config = json.loads(deepspeed_config_path(recipe.deepspeed).read_text())
+def _read_deepspeed(name_or_path: str) -> dict:
+    path = deepspeed_config_path(name_or_path)
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"recipe key deepspeed={name_or_path!r}: {path} is not valid JSON: {err}") from None
+
+
+def _is_auto(value: Any) -> bool:
+    return isinstance(value, str) and value.startswith("auto")
+
+
+def _ds_precision(config: dict) -> str:
+    if config.get("fp16", {}).get("enabled"):
+        return "float16"
+    return "bfloat16" if config.get("bf16", {}).get("enabled") else "float32"
+
+
+# DeepSpeed keys the recipe owns: a config may leave them "auto" or repeat the recipe's value.
+_DS_OWNED = {
+    "train_micro_batch_size_per_gpu": lambda t: t.per_device_batch_size,
+    "gradient_accumulation_steps": lambda t: t.gradient_accumulation_steps,
+    "gradient_clipping": lambda t: t.max_grad_norm,
+}
+
+
+def _check_deepspeed(recipe: Recipe, config: dict) -> None:
+    """Refuse a DeepSpeed config that would train differently from the recipe. (LongLoRA's
+    ZeRO-3 config carried its own optimizer and schedule, which the HF Trainer silently used
+    instead of the command line's.)"""
+    where = f"deepspeed config {recipe.deepspeed}"
+    for key in ("optimizer", "scheduler"):
+        if key in config and not _is_auto(config[key]):
+            raise ValueError(
+                f"{where} sets {key!r}: the {key} is the recipe's (AdamW with train.lr, train.weight_decay, train.betas; "
+                f"train.scheduler with train.warmup_steps); remove it or write \"auto\""
+            )
+    for key, owned in _DS_OWNED.items():
+        if key in config and not _is_auto(config[key]) and config[key] != owned(recipe.train):
+            raise ValueError(f"{where} sets {key}={config[key]!r} but the recipe says {owned(recipe.train)!r}; write \"auto\" there")
+    precision = _ds_precision(config)
+    if precision != recipe.model.dtype:
+        _fail("model.dtype", recipe.model.dtype,
+              f"{where} trains in {precision}; use a matching config or model.dtype={precision}")
+
+
+def resolve_deepspeed_config(recipe: Recipe, world_size: int, on_cuda: Optional[bool] = None) -> dict:
+    """The recipe's DeepSpeed config with every "auto" filled from the recipe, so the optimizer
+    (AdamW with the recipe's lr), batch sizes and clipping are the recipe's. The schedule is
+    built by the trainer from ``train.scheduler``, never by the config. ``on_cuda`` (default:
+    whether CUDA is available) picks DeepSpeed's fused Adam or torch's AdamW."""
+    if recipe.deepspeed is None:
+        raise ValueError("recipe key deepspeed=None: this recipe trains without DeepSpeed")
+    if on_cuda is None:
+        import torch
+
+        on_cuda = torch.cuda.is_available()
+    config = _read_deepspeed(recipe.deepspeed)
+    _check_deepspeed(recipe, config)
     t = recipe.train
+    global_batch = t.per_device_batch_size * t.gradient_accumulation_steps * world_size
+    if "train_batch_size" in config and not _is_auto(config["train_batch_size"]) and config["train_batch_size"] != global_batch:
+        raise ValueError(
+            f"deepspeed config {recipe.deepspeed} sets train_batch_size={config['train_batch_size']} but per_device_batch_size "
+            f"{t.per_device_batch_size} × gradient_accumulation_steps {t.gradient_accumulation_steps} × {world_size} processes "
+            f"= {global_batch}; write \"auto\" there"
+        )
     config.pop("scheduler", None)
-    config["train_micro_batch_size_per_gpu"] = t.per_device_batch_size
-    config["gradient_accumulation_steps"] = t.gradient_accumulation_steps
-    config["train_batch_size"] = t.per_device_batch_size * t.gradient_accumulation_steps * world_size
-    config["gradient_clipping"] = t.max_grad_norm
+    for key, owned in _DS_OWNED.items():
+        config[key] = owned(t)
+    config["train_batch_size"] = global_batch
     offload = "offload_optimizer" in config.get("zero_optimization", {})
     config["optimizer"] = {
         "type": "AdamW",
@@ -316,8 +430,5 @@ def resolve_deepspeed_config(recipe: Recipe, world_size: int, on_cuda: bool) -> 
                    # FusedAdam needs CUDA and offload needs DeepSpeedCPUAdam; torch's AdamW runs anywhere else
                    "torch_adam": not on_cuda and not offload},
     }
-    precision = "float16" if config.get("fp16", {}).get("enabled") else "bfloat16" if config.get("bf16", {}).get("enabled") else "float32"
-    if precision != recipe.model.dtype:
-        _fail("model.dtype", recipe.model.dtype, f"deepspeed config {recipe.deepspeed} trains in {precision}; use a matching config or model.dtype={precision}")
     config.setdefault("steps_per_print", 10**9)
     return config

@@ -17,9 +17,9 @@ def add_parser(sub) -> None:
     p = sub.add_parser("merge", help="merge a trained adapter into its base model")
     p.add_argument("--adapter", required=True, help="adapter directory written by train.py")
     p.add_argument("--base", default=None, help="base model (default: the one the adapter was trained on)")
-    p.add_argument("--output", required=True, type=Path)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--output", required=True, type=Path, help="directory for the merged model (safetensors)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="dtype the merge runs and saves in")
+    p.add_argument("--trust-remote-code", action="store_true", help="allow the base model's own code (off by default)")
     p.set_defaults(func=main)
 
 

@@ -77,3 +77,52 @@ def test_max_documents_and_streaming(tmp_path):
     ds = build_train_dataset(cfg(tmp_path, src, max_documents=4, streaming=True), tok, seq_len=10)
     meta = packing.load_meta(ds)
     assert meta["documents"] == 4 and meta["tokens"] == sum(len(f"doc {i} " * 10) + 1 for i in range(4))
+
+
+def test_json_glob_and_missing_values(tmp_path):
+    write_jsonl(tmp_path / "a.jsonl", ["one", "two"])
+    (tmp_path / "b.jsonl").write_text(json.dumps({"text": None}) + "\n" + json.dumps({"text": "three"}) + "\n")
+    (tmp_path / "notes.md").write_text("not data")
+    assert list(iter_texts(str(tmp_path / "*"))) == ["one", "two", "three"]  # sorted files, null rows skipped
+    with pytest.raises(FileNotFoundError, match="matches no"):
+        list(iter_texts(str(tmp_path / "*.parquet")))
+    with pytest.raises(ValueError, match=r"unsupported file type '.md'"):
+        list(iter_texts(str(tmp_path / "notes.md")))
+    (tmp_path / "c.jsonl").write_text(json.dumps({"text": 5}) + "\n")
+    with pytest.raises(ValueError, match="column 'text' holds int, not text"):
+        list(iter_texts(str(tmp_path / "c.jsonl")))
+
+
+def test_remote_sources_fail_clearly_offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ValueError, match=r"name the files' type, e.g. hf://datasets/org/name/\*.jsonl"):
+        next(iter_texts("hf://datasets/org/name"))
+    import datasets
+
+    def scripted(*args, **kwargs):
+        raise RuntimeError("Dataset scripts are no longer supported, but found name.py")
+
+    monkeypatch.setattr(datasets, "load_dataset", scripted)
+    with pytest.raises(ValueError, match=r"cannot load dataset 'org/name' split 'train'.*data.source=hf://datasets/org/name/\*.jsonl"):
+        next(iter_texts("org/name"))
+
+
+def test_tiny_recipe_corpus_builds(tmp_path):
+    from sparse_ft.config import load_recipe
+
+    recipe = load_recipe("tiny", [f"data.cache_dir={tmp_path}"])
+    ds = build_train_dataset(recipe.data, tiny_tokenizer(), recipe.seq_len)
+    meta = packing.load_meta(ds)
+    assert len(ds) >= 100 and ds[0]["input_ids"].shape == (recipe.seq_len,) and meta["kept"] == meta["documents"]
+
+
+def test_tiny_corpus_is_small_and_from_the_stdlib():
+    from pathlib import Path
+
+    from sparse_ft.data.stdlib_text import iter_stdlib_documents
+
+    path = Path(__file__).resolve().parent.parent / "data" / "tiny" / "train.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert 10 <= len(rows) and path.stat().st_size < 400_000 and all(r["text"] for r in rows)
+    assert list(iter_stdlib_documents(["heapq", "no_such_module"])) == list(iter_stdlib_documents(["heapq"]))
+    assert '"""Heap queue algorithm' in next(iter_stdlib_documents(["heapq"]))

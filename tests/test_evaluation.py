@@ -26,9 +26,9 @@ def test_standard_windows_by_hand():
 
 
 def test_longlora_windows_by_hand():
-    # range(0, 10 - 4, 2) = 0, 2, 4 and LongLoRA pops the last: windows at 0 and 2, each
-    # scoring all 4 predictions (targets 1..4 and 3..6).
-    assert plan(10, 4, 2, "longlora") == [Window(0, 4, 0, 4), Window(2, 6, 2, 6)]
+    # range(0, 10 - 4, 2) = 0, 2, 4 and LongLoRA pops the last: windows at 0 and 2. The model is
+    # called with labels=input_ids, so each scores the 3 predictions inside it (tokens 1..3, 3..5).
+    assert plan(10, 4, 2, "longlora") == [Window(0, 4, 0, 3), Window(2, 6, 2, 5)]
     with pytest.raises(ValueError, match="needs more than length\\+stride=6 tokens, the data has 5"):
         plan(5, 4, 2, "longlora")
 
@@ -63,10 +63,16 @@ def test_perplexity_matches_hand_computation():
     got = ppl.evaluate_length(model, tokens, 4, 2, "standard", methods.get("full"))
     assert got["tokens"] == 9
     assert got["ppl"] == pytest.approx(math.exp(sum(nll(tokens[1:])) / 9), rel=1e-6)
-    # longlora: windows [0,4) and [2,6) with targets tokens[1:5] and tokens[3:7]; mean of means
-    got = ppl.evaluate_length(model, tokens, 4, 2, "longlora", methods.get("full"))
-    w1, w2 = np.mean(nll(tokens[1:5])), np.mean(nll(tokens[3:7]))
-    assert got["tokens"] == 8 and got["ppl"] == pytest.approx(math.exp((w1 + w2) / 2), rel=1e-6)
+    # by hand: exp(mean NLL of 1,4,1,5,9,2,6,5,3) = exp(0.4 + log Z)
+    assert got["ppl"] == pytest.approx(math.exp(0.4 + log_z), rel=1e-6)
+    # longlora: windows [0,4) and [2,6) with targets tokens[1:4] = 1,4,1 and tokens[3:6] = 1,5,9;
+    # mean of window means = (0.2 + 0.5) / 2 = 0.35, plus log Z
+    for batch_size in (1, 2):
+        got = ppl.evaluate_length(model, tokens, 4, 2, "longlora", methods.get("full"), batch_size=batch_size)
+        assert got["tokens"] == 6 and got["ppl"] == pytest.approx(math.exp(0.35 + log_z), rel=1e-6)
+    # standard with a stride that leaves a short last window: [0,4) [3,7) [6,10) score 3+3+3
+    got = ppl.evaluate_length(model, tokens, 4, 3, "standard", methods.get("full"), batch_size=2)
+    assert got["tokens"] == 9 and got["ppl"] == pytest.approx(math.exp(0.4 + log_z), rel=1e-6)
 
 
 def test_chunked_loss_equals_the_full_logits_loss():
@@ -80,24 +86,38 @@ def test_chunked_loss_equals_the_full_logits_loss():
     torch.testing.assert_close(chunked, full, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("depth", [0.0, 0.3, 0.5, 1.0])
-def test_passkey_prompt_puts_the_needle_at_the_depth(depth):
+@pytest.mark.parametrize("length,depth", [(2000, 0.0), (2000, 0.3), (1500, 0.5), (2001, 1.0)])
+def test_passkey_prompt_puts_the_needle_at_the_depth(length, depth):
     tok = tiny_tokenizer()
-    prompt = passkey.build_prompt(tok, 2000, depth, "48213")
+    prompt = passkey.build_prompt(tok, length, depth, "48213")
+    assert len(prompt.ids) == length  # the filler is cut in tokens: the length is exact
     text = tok.decode(prompt.ids)
-    assert text.startswith(passkey.TASK) and text.endswith(passkey.QUESTION)
-    assert passkey.needle("48213") in text and text.count("48213") == 2
-    assert 2000 - 100 <= len(prompt.ids) <= 2000  # filler comes in whole sentences (~90 bytes)
-    filler_tokens = len(prompt.context_ids) - len(tok(passkey.TASK, add_special_tokens=False).input_ids) \
-        - len(tok(" " + passkey.needle("48213"), add_special_tokens=False).input_ids)
-    before = prompt.needle_token - len(tok(passkey.TASK, add_special_tokens=False).input_ids)
-    assert before / filler_tokens == pytest.approx(depth, abs=0.06)
-    assert tok.decode(prompt.question_ids).strip() == passkey.QUESTION
+    before = text.index(passkey.needle("48213"))
+    head = passkey.TASK + "\n"
+    # landmark's layout: task, filler, needle, filler, question, one per line
+    assert text.startswith(head) and text.endswith("\n" + passkey.QUESTION)
+    assert text.count("48213") == 2 and text[before - 1] == "\n"
+    filler = text[len(head) : before - 1] + text[before + len(passkey.needle("48213")) + 1 : -len(passkey.QUESTION) - 1]
+    assert prompt.filler_tokens == len(filler)  # bytes are tokens here
+    assert text[len(head) : before - 1] == (" ".join([passkey.FILLER] * 30))[: round(depth * len(filler))]
+    assert prompt.needle_token == len(tok(head, add_special_tokens=False).input_ids) + round(depth * len(filler))
+    assert tok.decode(prompt.question_ids) == "\n" + passkey.QUESTION
+    with pytest.raises(ValueError, match="shorter than the prompt without filler"):
+        passkey.build_prompt(tok, 200, depth, "48213")
 
 
 def test_passkey_scoring_is_exact_match():
     assert passkey.retrieved(" 48213. Remember", "48213")
     assert not passkey.retrieved(" 4821", "48213") and not passkey.retrieved(" 48231", "48213")
+    assert not passkey.retrieved(" 482130", "48213") and not passkey.retrieved(" none", "48213")
+
+
+def test_reprefill_generation_equals_cached_generation():
+    model, tok = tiny_llama(), tiny_tokenizer()
+    prompt = passkey.build_prompt(tok, 300, 0.5, "12345")
+    cached = passkey.default_generate(model, tok, prompt.context_ids, prompt.question_ids, 6)
+    assert methods.reprefill_generate(model, tok, prompt.context_ids, prompt.question_ids, 6) == cached
+    assert methods.get("s2").generate is methods.reprefill_generate  # training patterns have no decode step
 
 
 def test_methods_registry_and_rope_baselines():
@@ -114,21 +134,46 @@ def test_methods_registry_and_rope_baselines():
     assert tiny.config.rope_parameters["rope_type"] == "yarn"
     with pytest.raises(ValueError, match="--method 'nope' is unknown; allowed: .*full.*ntk.*scca_flow"):
         methods.get("nope")
-    with pytest.raises(ValueError, match="takes no --method-arg"):
-        methods.get("pi", factor=2)
+    fixed = methods.get("pi", factor=2)  # LongLoRA-style: one factor for every length
+    fixed.apply(model, 128)
+    torch.testing.assert_close(model.model.rotary_emb.inv_freq, inv / 2)
+    with pytest.raises(ValueError, match="factor=0.5 must be a number >= 1"):
+        methods.get("ntk", factor=0.5)
+    with pytest.raises(ValueError, match="--method pi: bad --method-arg .*alpha"):
+        methods.get("pi", alpha=2)
+    with pytest.raises(ValueError, match="--method full takes no --method-arg; got x"):
+        methods.get("full", x=1)
+    with pytest.raises(ValueError, match="scca_flow: parameter\\(s\\) bogus unknown"):
+        methods.get("scca_flow", bogus=3)
 
 
-def test_four_bit_ppl_is_close_to_fp32(tmp_path):
-    data = tmp_path / "d.txt"
-    data.write_text("The quick brown fox jumps over the lazy dog. " * 40)
+def test_quantised_ppl_is_close_to_fp32(tmp_path):
+    """NF4 (and 8-bit) on bitsandbytes' CPU backend, on a tiny model trained until its PPL is far
+    from uniform (a random model's PPL ~ vocabulary size hides broken weights)."""
+    import bitsandbytes as bnb
+
+    from sparse_ft.evaluation import loading
+
+    text = b"The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. "
+    tokens = np.frombuffer(text * 8, dtype=np.uint8).astype(np.int64) + 3  # ByT5 ids: byte + 3
+    model, ids = tiny_llama().train(), torch.from_numpy(tokens[:128])[None]
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(50):
+        model(ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.eval().save_pretrained(tmp_path / "m")
+    tiny_tokenizer().save_pretrained(tmp_path / "m")
     results = {}
-    for flag in ([], ["--load-in-4bit"]):
-        out = tmp_path / f"r{len(flag)}.json"
-        assert main(["eval", "ppl", "--model", "tiny", "--data", str(data), "--lengths", "128", "--stride", "64",
-                     "--output", str(out), *flag]) == 0
-        results[bool(flag)] = json.loads(out.read_text())["results"][0]["ppl"]
-    assert results[True] != results[False]  # quantisation happened
-    assert abs(results[True] / results[False] - 1) < 0.03
+    for flag in ("fp32", "load_in_4bit", "load_in_8bit"):
+        loaded, _ = loading.load(str(tmp_path / "m"), **({} if flag == "fp32" else {flag: True}))
+        results[flag] = ppl.evaluate_length(loaded, tokens, 128, 64, "standard", methods.get("full"))["ppl"]
+        if flag == "load_in_4bit":  # NF4 with double quantisation really ran, not an fp32 fallback
+            layers = [m for m in loaded.modules() if isinstance(m, bnb.nn.Linear4bit)]
+            assert len(layers) == 14 and all(m.weight.quant_state.quant_type == "nf4" and m.weight.quant_state.nested for m in layers)
+    assert results["fp32"] < 4  # learned: uniform would be 384
+    for flag in ("load_in_4bit", "load_in_8bit"):
+        assert results[flag] != results["fp32"] and abs(results[flag] / results["fp32"] - 1) < 0.05, results
 
 
 def test_cli_end_to_end(tmp_path, capsys):
@@ -142,12 +187,15 @@ def test_cli_end_to_end(tmp_path, capsys):
     assert all(r["ppl"] > 1 and r["tokens"] > 0 and r["tokens_per_second"] > 0 for r in payload["results"])
     assert png.stat().st_size > 1000 and "| pi | 64 |" in capsys.readouterr().out
     assert main(["eval", "plot", str(out), str(out), "--output", str(tmp_path / "two.png")]) == 0
+    assert (tmp_path / "two.png").stat().st_size > 1000
     pk, heat = tmp_path / "pk.json", tmp_path / "pk.png"
+    # a training pattern (re-prefill decoding) with a YAML-parsed --method-arg
     assert main(["eval", "passkey", "--model", "tiny", "--lengths", "300", "--depths", "0,1", "--trials", "2",
-                 "--output", str(pk), "--heatmap", str(heat)]) == 0
+                 "--method", "sda", "--method-arg", "dilation=2", "--output", str(pk), "--heatmap", str(heat)]) == 0
     cells = json.loads(pk.read_text())["results"]
-    assert [(c["length"], c["depth"], c["trials"]) for c in cells] == [(300, 0.0, 2), (300, 1.0, 2)]
-    assert heat.stat().st_size > 1000
+    assert [(c["length"], c["depth"], c["trials"], c["prompt_tokens"]) for c in cells] == [(300, 0.0, 2, 300), (300, 1.0, 2, 300)]
+    assert cells[0]["keys"] == cells[1]["keys"] and len(cells[0]["outputs"]) == 2
+    assert heat.stat().st_size > 1000 and "| 300 |" in capsys.readouterr().out
 
 
 def test_bin_token_files_and_bad_input(tmp_path, capsys):
@@ -158,33 +206,45 @@ def test_bin_token_files_and_bad_input(tmp_path, capsys):
     assert main(["eval", "ppl", "--model", "tiny", "--data", str(path), "--lengths", "64", "--stride", "64"]) == 0
     capsys.readouterr()
     cases = [
-        (["--data", str(path), "--lengths", "1000"], "--lengths 1000 is longer than the 300 tokens"),
+        (["--data", str(path), "--lengths", "1000"], "--lengths 1000 longer than the 300 tokens"),
         (["--data", str(tmp_path / "missing.bin"), "--lengths", "64"], "does not exist"),
         (["--data", str(path), "--lengths", "64", "--method", "bogus"], "--method 'bogus' is unknown"),
         (["--data", str(path), "--lengths", "6x"], "must be a comma-separated list of integers"),
+        (["--data", str(path), "--lengths", "64", "--method", "pi", "--method-arg", "alpha=2"], "--method pi: bad --method-arg"),
+        (["--data", str(path), "--lengths", "64", "--method", "sda", "--method-arg", "w"], "must look like key=value"),
+        (["--data", str(path), "--lengths", "64", "--method", "no-ppl"], "--method no-ppl cannot report perplexity: it answers questions"),
+        (["--data", str(tmp_path / "missing.txt"), "--lengths", "64"], "does not exist"),
+        (["--model", str(tmp_path / "nowhere"), "--data", str(path), "--lengths", "64"], "no such directory"),
     ]
+    no_ppl = methods.Method()
+    no_ppl.supports_ppl, no_ppl.why_no_ppl = False, "it answers questions"
+    methods.register("no-ppl", lambda: no_ppl)
     big = write_token_file(np.array([5, 900, 7] * 40), tmp_path / "big.bin", 70000, "other")
     cases.append((["--data", str(big), "--lengths", "64", "--data-dtype", "uint32"], "token id 900 >= the model's vocabulary size 384"))
     for extra, message in cases:
         assert main(["eval", "ppl", "--model", "tiny", *extra]) == 2
-        assert message in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and message in err, err
 
 
 def test_prepare_eval_and_adapter_evaluation(tmp_path, capsys):
-    import subprocess
-    import sys
+    import importlib.util
     from pathlib import Path
 
     from sparse_ft.config import load_recipe
     from sparse_ft.train.loop import train
 
-    root = Path(__file__).resolve().parent.parent
+    script = Path(__file__).resolve().parent.parent / "data" / "prepare_eval.py"
+    spec = importlib.util.spec_from_file_location("prepare_eval", script)
+    prepare_eval = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prepare_eval)
     text = tmp_path / "book.txt"
     text.write_text("Call me Ishmael. Some years ago, never mind how long precisely. " * 30)
-    done = subprocess.run([sys.executable, "data/prepare_eval.py", "--tokenizer", "tiny", "--source", str(text),
-                           "--output", str(tmp_path / "book.bin")], cwd=root, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert np.fromfile(tmp_path / "book.bin", dtype=np.uint16).size == len(text.read_text()) + 1
+    assert prepare_eval.main(["--tokenizer", "tiny", "--source", str(text), "--output", str(tmp_path / "book.bin")]) == 0
+    assert np.fromfile(tmp_path / "book.bin", dtype=np.uint16).size == len(text.read_text()) + 1  # + EOS
+    assert json.loads((tmp_path / "book.json").read_text())["tokens"] == len(text.read_text()) + 1
+    assert prepare_eval.main(["--tokenizer", "tiny", "--source", str(tmp_path / "no.txt"), "--output", str(tmp_path / "x.bin")]) == 2
+    assert "no.txt does not exist" in capsys.readouterr().err
     run = tmp_path / "run"
     train(load_recipe("tiny", [f"train.output_dir={run}", f"data.cache_dir={tmp_path / 'c'}", "deepspeed=null",
                                "train.max_steps=2", "train.report_to=[none]"]))
@@ -192,6 +252,15 @@ def test_prepare_eval_and_adapter_evaluation(tmp_path, capsys):
     assert main(["eval", "ppl", "--model", base, "--adapter", str(run / "adapter"), "--data", str(tmp_path / "book.bin"),
                  "--lengths", "512", "--stride", "256", "--output", str(tmp_path / "a.json")]) == 0
     assert json.loads((tmp_path / "a.json").read_text())["results"][0]["tokens"] > 0
+    # the adapter's trained RoPE (linear x2 to 512) is in place, and pi composes with it
+    from sparse_ft import rope
+    from sparse_ft.evaluation import loading
+
+    model, _ = loading.load(base, str(run / "adapter"))
+    config = model.get_base_model().config
+    assert (rope.rope_parameters(config)["factor"], config.max_position_embeddings) == (2.0, 512)
+    methods.get("pi").apply(model, 1024)
+    assert (rope.rope_parameters(config)["factor"], config.max_position_embeddings) == (4.0, 1024)
     other = tmp_path / "other"
     tiny_llama(hidden_size=128, intermediate_size=256).save_pretrained(other)
     tiny_tokenizer().save_pretrained(other)

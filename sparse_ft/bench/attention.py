@@ -20,6 +20,12 @@ from sparse_ft.bench.machine import measure
 
 DEFAULT_PATTERNS = ("s2", "scca_fixed", "scca_flow", "sda", "longmixed")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# What the peak-memory columns measure (sparse_ft.bench.machine.PeakMemory), for the report.
+PEAK_MEMORY = {
+    "cuda": "growth of torch.cuda.max_memory_allocated over one forward+backward",
+    "cpu": "growth of the process's resident-set high-water mark (VmHWM, reset through /proc/self/clear_refs) "
+    "over one forward+backward: includes allocator slack, excludes nothing torch allocates",
+}
 
 
 @dataclass
@@ -27,6 +33,7 @@ class Row:
     pattern: str
     seq_len: int
     heads: int
+    kv_heads: int
     head_dim: int
     ms: float
     dense_ms: float
@@ -39,9 +46,9 @@ class Row:
 
 def _step(attend, q, k, v):
     def run():
-        for x in (q, k, v):
-            x.grad = None
         attend(q, k, v).sum().backward()
+        for x in (q, k, v):  # drop the gradients so no run starts holding the last one's
+            x.grad = None
 
     return run
 
@@ -81,7 +88,7 @@ def run(
             ms, mib = measure(_step(pattern, q, k, v), dev, warmup, repeats)
             ideal = causal_pairs / pattern.visible_pairs(n, h)
             speedup = dense_ms / ms
-            rows.append(Row(name, n, h, d, ms, dense_ms, speedup, ideal, speedup / ideal, mib, dense_mib))
+            rows.append(Row(name, n, h, hk, d, ms, dense_ms, speedup, ideal, speedup / ideal, mib, dense_mib))
             bar.update()
     bar.close()
     return rows
@@ -89,12 +96,12 @@ def run(
 
 def markdown(rows: list[Row]) -> str:
     lines = [
-        "| pattern | N | H | D | ms | dense ms | speedup | ideal | of ideal | peak MiB | dense peak MiB |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| pattern | N | H | Hkv | D | ms | dense ms | speedup | ideal | of ideal | peak MiB | dense peak MiB |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
-            f"| {r.pattern} | {r.seq_len} | {r.heads} | {r.head_dim} | {r.ms:.1f} | {r.dense_ms:.1f} | "
+            f"| {r.pattern} | {r.seq_len} | {r.heads} | {r.kv_heads} | {r.head_dim} | {r.ms:.1f} | {r.dense_ms:.1f} | "
             f"{r.speedup:.2f}× | {r.ideal:.2f}× | {r.fraction_of_ideal:.2f} | {r.peak_mib:.0f} | {r.dense_peak_mib:.0f} |"
         )
     return "\n".join(lines)

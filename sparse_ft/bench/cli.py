@@ -34,7 +34,7 @@ def add_parser(sub) -> None:
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--quick", action="store_true", help="N in {2k, 4k}, H=8, D=64: under a minute on 2 CPU cores")
+    p.add_argument("--quick", action="store_true", help="N in {2k, 4k}, H=8, D=64, 2 repeats (overrides those flags): a quick CPU check")
     p.add_argument("--output", type=Path, default=None, help="write results as JSON")
     p.set_defaults(func=main)
     t = which.add_parser("train", help="tokens/s and peak memory of a training step per pattern vs full attention")
@@ -64,12 +64,21 @@ def main(args: argparse.Namespace) -> int:
     patterns = [p for p in args.patterns.split(",") if p]
     import attn_patterns
 
-    for name in patterns:
-        attn_patterns.get(name)  # unknown names fail before any measurement
+    for h in heads:  # bad names and head counts fail before any measurement
+        if args.kv_heads is not None and (args.kv_heads < 1 or h % args.kv_heads):
+            raise ValueError(f"bench attention: --kv-heads={args.kv_heads} must divide every --heads value (got {h})")
+        for name in patterns:
+            attn_patterns.get(name).check_heads(h)
+    if args.warmup < 0 or args.repeats < 1:
+        raise ValueError(f"bench attention: --warmup={args.warmup} must be >= 0 and --repeats={args.repeats} >= 1")
     machine = describe(device)
     rows = attention.run(lengths, heads, dims, patterns, dtype, str(device), args.kv_heads, args.warmup, args.repeats)
-    return _report(args, f"forward+backward, batch 1, {dtype}, on {machine}", attention.markdown(rows),
-                   {"machine": machine, "device": str(device), "dtype": dtype, "results": attention.as_dicts(rows)})
+    memory = attention.PEAK_MEMORY.get(device.type, "not measured")
+    title = (f"forward+backward, batch 1, {dtype}, median of {args.repeats} after {args.warmup} warm-up, "
+             f"on {machine}; peak memory: {memory}")
+    return _report(args, title, attention.markdown(rows),
+                   {"machine": machine, "device": str(device), "dtype": dtype, "warmup": args.warmup,
+                    "repeats": args.repeats, "peak_memory": memory, "results": attention.as_dicts(rows)})
 
 
 def main_train(args: argparse.Namespace) -> int:

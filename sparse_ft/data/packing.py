@@ -85,6 +85,7 @@ def _write_cache(data_cfg, tokenizer, seq_len, tokens_path: Path, meta_path: Pat
                 k, lg, w = _flush(batch, tokenizer, data_cfg.min_tokens, out)
                 kept, longest, written, seen = kept + k, max(longest, lg), written + w, seen + len(batch)
                 bar.update(len(batch))
+                bar.set_postfix(kept=kept, tokens=written, refresh=False)
                 batch = []
         if batch:
             k, lg, w = _flush(batch, tokenizer, data_cfg.min_tokens, out)

@@ -1,63 +1,102 @@
 """Models for evaluation: an HF id or directory, the built-in ``tiny``, an adapter from
-train.py (its RoPE configuration restored first), and 4-/8-bit quantisation."""
+train.py (its RoPE configuration restored before the weights load), and 4-/8-bit
+quantisation through transformers' ``BitsAndBytesConfig``."""
 
 from __future__ import annotations
 
+import atexit
+import shutil
+import tempfile
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-TINY_DIR = Path(".cache/sparse-ft/tiny-model")
 
 
 def quantization(load_in_4bit: bool, load_in_8bit: bool, compute_dtype: str) -> Optional[Any]:
-    """bitsandbytes NF4 with double quantisation (the SCCA paper's 4-bit evaluation), or 8-bit."""
+    """bitsandbytes NF4 with double quantisation (the SCCA paper's 4-bit evaluation), or 8-bit.
+    bitsandbytes >= 0.48 runs both on CPU as well as CUDA."""
     if load_in_4bit and load_in_8bit:
         raise ValueError("--load-in-4bit and --load-in-8bit exclude each other")
     if not (load_in_4bit or load_in_8bit):
         return None
+    if compute_dtype not in DTYPES:
+        raise ValueError(f"--bnb-compute-dtype {compute_dtype!r} is unknown; allowed: {', '.join(DTYPES)}")
     from transformers import BitsAndBytesConfig
 
     if load_in_8bit:
+        # LLM.int8 computes in fp16 by design; bitsandbytes says so on every matmul
+        warnings.filterwarnings("ignore", message="MatMul8bitLt: inputs will be cast")
         return BitsAndBytesConfig(load_in_8bit=True)
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                               bnb_4bit_compute_dtype=DTYPES[compute_dtype])
 
 
+_TINY: dict[str, Path] = {}
+
+
 def resolve_model(model: str) -> str:
+    """``tiny`` becomes the built-in tiny Llama (seed 0) written to a per-process temporary
+    directory, so it loads (and quantises) like any checkpoint and never goes stale."""
     if model != "tiny":
         return model
-    from sparse_ft.train.model_setup import materialize_tiny
+    if "dir" not in _TINY:
+        from sparse_ft.train.model_setup import materialize_tiny
 
-    return str(materialize_tiny(TINY_DIR, seed=0))
+        root = Path(tempfile.mkdtemp(prefix="sparse-ft-tiny-"))
+        atexit.register(shutil.rmtree, root, ignore_errors=True)
+        _TINY["dir"] = materialize_tiny(root / "model", seed=0)
+    return str(_TINY["dir"])
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def load(model: str, adapter: Optional[str] = None, dtype: str = "float32", load_in_4bit: bool = False,
-         load_in_8bit: bool = False, compute_dtype: str = "float32", trust_remote_code: bool = False, device: Optional[str] = None):
-    """Returns ``(model, tokenizer)`` in eval mode."""
+         load_in_8bit: bool = False, compute_dtype: str = "float32", trust_remote_code: bool = False,
+         device: Optional[str] = None):
+    """Returns ``(model, tokenizer)`` in eval mode; every failure a one-line ValueError or
+    FileNotFoundError naming the flag."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from sparse_ft.train.adapter import base_config_for, load_adapter_model
+    from sparse_ft.train.adapter import load_adapter_model
     from sparse_ft.train.model_setup import load_tokenizer
 
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r} is unknown; allowed: {', '.join(DTYPES)}")
     path = resolve_model(model)
-    if not Path(path).exists() and (path.startswith((".", "/")) or path.count("/") > 1):
+    if not Path(path).exists() and (path.startswith((".", "/", "~")) or path.count("/") > 1):
         raise FileNotFoundError(f"--model {model}: no such directory")
-    kwargs: dict[str, Any] = {"dtype": DTYPES[dtype], "trust_remote_code": trust_remote_code}
+    if adapter is not None and not Path(adapter).is_dir():
+        raise FileNotFoundError(f"--adapter {adapter}: no such directory")
+    kwargs: dict[str, Any] = {"dtype": DTYPES[dtype], "trust_remote_code": trust_remote_code,
+                              "device_map": device or default_device()}
     quant = quantization(load_in_4bit, load_in_8bit, compute_dtype)
     if quant is not None:
         kwargs["quantization_config"] = quant
-    if device is not None and quant is None:
-        kwargs["device_map"] = device
-    if adapter is not None:
-        base_config_for(adapter, path, trust_remote_code)  # fails early on a foreign base
-        loaded = load_adapter_model(adapter, path, **kwargs)
-    else:
-        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-        loaded = AutoModelForCausalLM.from_pretrained(path, config=config, **kwargs)
-    tokenizer_dir = adapter if adapter and (Path(adapter) / "tokenizer_config.json").exists() else path
-    return loaded.eval(), load_tokenizer(tokenizer_dir, trust_remote_code)
+    try:
+        if adapter is not None:
+            # the adapter's RoPE goes into the config before the weights load; a foreign base fails by shape
+            loaded = load_adapter_model(adapter, path, **kwargs)
+        else:
+            config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+            loaded = AutoModelForCausalLM.from_pretrained(path, config=config, **kwargs)
+        tokenizer_dir = adapter if adapter and (Path(adapter) / "tokenizer_config.json").exists() else path
+        tokenizer = load_tokenizer(tokenizer_dir, trust_remote_code)
+    except OSError as err:  # hub / missing-file errors from transformers and peft
+        raise ValueError(f"cannot load --model {model}{f' --adapter {adapter}' if adapter else ''}: {_first_line(err)}") from None
+    except RuntimeError as err:
+        if "size mismatch" not in str(err):
+            raise
+        detail = next(line.strip() for line in str(err).splitlines() if "size mismatch" in line)
+        raise ValueError(f"--adapter {adapter} does not fit --model {model} (trained on another base?): {detail}") from None
+    return loaded.eval(), tokenizer
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__

@@ -1,4 +1,5 @@
-"""Sliding-window perplexity at several lengths."""
+"""Sliding-window perplexity at one length: the windows of :mod:`windows`, scored by
+:func:`scoring.window_nll`, batched, under inference mode; only sums survive a batch."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from sparse_ft.evaluation.windows import plan
 
 def evaluate_length(model, tokens: np.ndarray, length: int, stride: int, scoring: str, method: Method,
                     batch_size: int = 1, max_windows: Optional[int] = None) -> dict:
+    """``{"length", "ppl", "tokens" (scored), "windows", "seconds", "tokens_per_second"}``."""
     if length > len(tokens):
         raise ValueError(f"--lengths {length} is longer than the {len(tokens)} tokens of --data (lower it or add data)")
     method.apply(model, length)

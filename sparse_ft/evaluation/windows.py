@@ -10,8 +10,11 @@ token ``p + 1``).
 window scored (its last ``end − previous end``); PPL = exp(total NLL / scored tokens).
 
 ``longlora`` (LongLoRA's eval.py): windows start every stride while ``start + L < N``, the
-last of them dropped as its ``all_ix.pop()`` does; every one of the L predictions counts,
-and PPL = exp(mean over windows of the window's mean loss).
+last of them dropped as its ``all_ix.pop()`` does; every prediction inside the window counts
+(the model is called with ``labels=input_ids``, so a window of L tokens scores its L − 1
+predictions of tokens ``begin+1 .. end−1``), and PPL = exp(mean over windows of the window's
+mean loss). Tokens are scored many times over, so the number is not a perplexity of the
+data in the usual sense; it exists to compare with LongLoRA's tables.
 """
 
 from __future__ import annotations
@@ -51,5 +54,5 @@ def plan(total: int, length: int, stride: int, scoring: str = "standard", max_wi
     starts = list(range(0, total - length, stride))[:-1]
     if not starts:
         raise ValueError(f"--scoring longlora needs more than length+stride={length + stride} tokens, the data has {total}")
-    windows = [Window(s, s + length, s, s + length) for s in starts]
+    windows = [Window(s, s + length, s, s + length - 1) for s in starts]
     return windows[:max_windows] if max_windows else windows

@@ -94,14 +94,22 @@ class Engine:
     def _base_optimizer(self) -> torch.optim.Optimizer:
         return self.optimizer
 
+    def _state_keys(self) -> list[torch.Tensor]:
+        """The tensors the base optimizer keeps Adam state for."""
+        return [p for group in self._base_optimizer().param_groups for p in group["params"]]
+
+    def _step_value(self, steps: int):
+        """torch's Adam keeps ``step`` as a tensor; DeepSpeed's CPU/fused Adam as an int."""
+        torch_own = type(self._base_optimizer()).__module__.startswith("torch.optim")
+        return torch.tensor(float(steps)) if torch_own else steps
+
     def materialize_state(self) -> None:
-        """torch's AdamW creates its state lazily; a resume writes into it before any step."""
+        """Adam creates its state lazily at the first step; a resume writes into it before."""
         base = self._base_optimizer()
-        for group in base.param_groups:
-            for p in group["params"]:
-                if not base.state.get(p):
-                    base.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
-                                     "exp_avg_sq": torch.zeros_like(p)}
+        for p in self._state_keys():
+            if not base.state.get(p):
+                base.state[p] = {"step": self._step_value(0), "exp_avg": torch.zeros_like(p),
+                                 "exp_avg_sq": torch.zeros_like(p)}
 
     def get_steps(self) -> int:
         return self.scheduler.last_epoch
@@ -109,7 +117,7 @@ class Engine:
     def set_steps(self, steps: int) -> None:
         """Optimizer steps taken: AdamW's bias correction and the schedule's position."""
         for state in self._base_optimizer().state.values():
-            state["step"] = torch.tensor(float(steps))
+            state["step"] = self._step_value(steps)
         self.scheduler.last_epoch = steps
         lrs = [base * self.scheduler.lr_lambdas[0](steps) for base in self.scheduler.base_lrs]
         self.scheduler._last_lr = lrs
@@ -181,6 +189,18 @@ class DeepSpeedEngine(Engine):
 
     def _base_optimizer(self) -> torch.optim.Optimizer:
         return getattr(self.optimizer, "optimizer", self.optimizer)
+
+    def _state_keys(self) -> list[torch.Tensor]:
+        # ZeRO-3 hands its flat fp32 partitions to the base optimizer only during a step
+        return list(self.optimizer.fp32_partitioned_groups_flat) if self.zero3 else super()._state_keys()
+
+    def materialize_state(self) -> None:
+        super().materialize_state()
+        # ZeRO-1/2 and the bf16 optimizer map each parameter onto its slice of the state only
+        # after a first step; map the state created above the same way
+        link = getattr(self.optimizer, "_lazy_init_hp_params_optimizer_state", None)
+        if link is not None:
+            link()
 
     def get_state(self, p, key):
         from deepspeed.utils import safe_get_full_optimizer_state

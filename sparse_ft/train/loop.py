@@ -16,6 +16,7 @@ from sparse_ft.config import Recipe, format_recipe, resolve_deepspeed_config, sa
 from sparse_ft.data.packing import build_train_dataset
 from sparse_ft.train import checkpoint
 from sparse_ft.train.adapter import save_adapter
+from sparse_ft.train.distributed import init_distributed
 from sparse_ft.train.engine import DeepSpeedEngine, Engine
 from sparse_ft.train.metrics import MetricLog, peak_memory_mib
 from sparse_ft.train.model_setup import base_model_path, build_model, load_tokenizer, materialize_tiny
@@ -43,21 +44,6 @@ class DataOrder:
             self._perm = (epoch, torch.randperm(self.size, generator=gen))
         start = (within * self.world + self.rank) * self.batch
         return self._perm[1][start : start + self.batch].tolist()
-
-
-def _init_distributed(use_deepspeed: bool) -> None:
-    if not use_deepspeed:
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            raise ValueError(
-                f"deepspeed=null trains in one process, but the launcher started WORLD_SIZE={os.environ['WORLD_SIZE']}: "
-                "set deepspeed to a config in ds_configs/ (e.g. deepspeed=zero3_bf16) for several processes"
-            )
-        return
-    if dist.is_initialized():
-        return
-    import deepspeed
-
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
 
 
 def write_probe(engine: Engine, input_ids: torch.Tensor, device: torch.device, path: Path) -> None:
@@ -89,9 +75,7 @@ def total_steps(recipe: Recipe, order: DataOrder) -> int:
 
 def train(recipe: Recipe) -> dict:
     use_ds = recipe.deepspeed is not None
-    _init_distributed(use_ds)
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank, world = init_distributed(use_ds)
     barrier = dist.barrier if dist.is_initialized() else (lambda: None)
     out = Path(recipe.train.output_dir)
     if rank == 0:
@@ -124,8 +108,20 @@ def train(recipe: Recipe) -> dict:
 
     start, history = 0, []
     resume_from = checkpoint.find_resume(out, recipe.train.resume)
+    # what fixes the data order: a resume with any of it changed would not see the same batches
+    data_identity = {"samples": len(dataset), "seq_len": recipe.seq_len, "seed": recipe.train.seed,
+                     "per_device_batch_size": recipe.train.per_device_batch_size,
+                     "gradient_accumulation_steps": recipe.train.gradient_accumulation_steps}
     if resume_from is not None:
         meta = checkpoint.load_checkpoint(engine, resume_from)
+        saved = {k: meta.get("data", {}).get(k) for k in data_identity}
+        changed = {k: (saved[k], v) for k, v in data_identity.items() if saved[k] != v}
+        if changed:
+            raise ValueError(
+                f"train.resume: checkpoint {resume_from} was written with a different data order "
+                f"({', '.join(f'{k}: {a} then, {b} now' for k, (a, b) in changed.items())}); "
+                "restore those settings, or start afresh with train.resume=never or a new train.output_dir"
+            )
         start, history = meta["step"], meta["history"]
         if rank == 0:
             print(f"resumed from {resume_from} at step {start}", flush=True)
@@ -149,12 +145,16 @@ def train(recipe: Recipe) -> dict:
         record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                   "tokens_per_s": tokens_per_micro * accum * world / seconds, "peak_mem_mib": peak_memory_mib(device)}
         history.append(record)
-        if log is not None and ((step + 1) % recipe.train.log_steps == 0 or step + 1 == steps):
-            log.write(record)
-            bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}")
+        if log is not None:
+            report = (step + 1) % recipe.train.log_steps == 0 or step + 1 == steps
+            log.write(record, report)
+            if report:
+                bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", grad_norm=f"{grad_norm:.3f}")
         bar.update()
         if (step + 1) % recipe.train.save_steps == 0 and step + 1 < steps:
-            checkpoint.save_checkpoint(engine, out, step + 1, {"history": history, "recipe": recipe.name},
+            micro = (step + 1) * accum
+            position = {**data_identity, "micro_batches": micro, "epoch": micro // order.per_epoch}
+            checkpoint.save_checkpoint(engine, out, step + 1, {"history": history, "recipe": recipe.name, "data": position},
                                        recipe.train.save_total_limit)
     bar.close()
     write_probe(engine, dataset[0]["input_ids"][:128], device, out / "adapter_probe.safetensors")

@@ -30,7 +30,8 @@ class MetricLog:
         if "tensorboard" in report_to:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tensorboard = SummaryWriter(str(output_dir / "tensorboard"))
+            # purge_step drops the events a killed run wrote after the checkpoint resumed from
+            self.tensorboard = SummaryWriter(str(output_dir / "tensorboard"), purge_step=len(history) + 1 if history else None)
         if "wandb" in report_to:
             try:
                 import wandb
@@ -39,16 +40,19 @@ class MetricLog:
             else:
                 self.wandb = wandb.init(project="sparse-ft", dir=str(output_dir), resume="allow")
 
-    def write(self, record: dict) -> None:
+    def write(self, record: dict, report: bool = True) -> None:
+        """Every step goes to the JSONL file (the full loss curve); ``report`` also sends it to
+        TensorBoard / W&B (the recipe's log steps)."""
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
-        for key, value in record.items():
-            if key == "step":
-                continue
-            if self.tensorboard is not None:
-                self.tensorboard.add_scalar(f"train/{key}", value, record["step"])
+        if not report:
+            return
+        scalars = {f"train/{k}": v for k, v in record.items() if k != "step"}
+        if self.tensorboard is not None:
+            for key, value in scalars.items():
+                self.tensorboard.add_scalar(key, value, record["step"])
         if self.wandb is not None:
-            self.wandb.log({f"train/{k}": v for k, v in record.items() if k != "step"}, step=record["step"])
+            self.wandb.log(scalars, step=record["step"])
 
     def close(self) -> None:
         if self.tensorboard is not None:

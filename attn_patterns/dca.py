@@ -1,0 +1,425 @@
+"""Dual Chunk Attention (An et al., 2024): training-free context extension by re-using only
+the relative positions a model saw in pretraining.
+
+Why it works: a RoPE model breaks on relative distances it never saw (>= its pretraining
+length c), not on long inputs as such. DCA keeps every key at its position inside its chunk
+of s tokens (``j mod s``) and gives the query three positions, one per kind of key
+(paper eqs. 2–8), with ``d = i//s - j//s``, ``a = i mod s``, ``b = j mod s``:
+
+* intra-chunk (d = 0): query at ``a``            -> distance ``a - b``  (exact, < s)
+* successive (d = 1): query at ``s + a`` if ``a < w`` else ``c - 1`` -> the w nearest keys
+  keep their true distance, the rest are pushed to at most c - 1
+* inter-chunk (d > 1): query at ``c - 1``         -> distance ``c - 1 - b`` (>= c - s)
+
+so no distance reaches c. Every causal key stays visible: DCA changes positions, not the
+set of keys (``mask`` is plain causal attention).
+
+How it runs: RoPE is a rotation, so vectors already rotated at their true position p (what
+transformers hands an attention function) are moved to a target position t by rotating
+them by ``t - p`` with the model's own frequencies, in fp32. That composes with any RoPE
+scaling in those frequencies (PI, NTK-by-base, YaRN including its magnitude factor, Llama-3):
+the paper's "orthogonality". The three pieces are three attentions per query chunk, each
+returning its log-sum-exp, merged exactly in fp32 (Algorithm 1). Nothing is N×N: per query
+chunk the kernels see at most s queries, and the inter-chunk piece (all keys of chunks
+before the previous one, all seen from c - 1) is one call of a fused kernel that streams
+its keys; memory is O(N·s). Decoding with a KV cache needs no state: cached keys sit at
+their true positions and are re-rotated like any other.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+
+from attn_patterns.base import Keys, Pattern, _check_qkv
+from attn_patterns.registry import register
+
+BACKENDS = ("sdpa", "math")
+VARIANTS = ("paper", "chunkllama")
+# RoPE types whose frequencies change with the input length: re-positioning keys rotated
+# at an earlier call (the KV cache) with other frequencies cannot be exact.
+_LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+# --- positions --------------------------------------------------------------------------
+def _int_param(name: str, value: Any, least: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        raise ValueError(f"dca: {name}={value!r} must be an integer >= {least}")
+    return value
+
+
+def resolve(
+    pretraining_length: int, chunk_size: Optional[int] = None, local_window: Optional[int] = None, variant: str = "paper"
+) -> tuple[int, int, int]:
+    """``(s, w, c)`` with the defaults s = 3c/4 and w = c - s (paper; ChunkLlama's code: w =
+    c/16), checked so that every relative position stays below c."""
+    c = _int_param("pretraining_length", pretraining_length, 2)
+    s = (3 * c) // 4 if chunk_size is None else _int_param("chunk_size", chunk_size, 1)
+    if s >= c:
+        raise ValueError(
+            f"dca: chunk_size={s} must be < pretraining_length={c} (inter-chunk queries sit at "
+            f"c - 1 = {c - 1}, after every key position 0..chunk_size-1); the paper uses 3c/4 = {(3 * c) // 4}"
+        )
+    if variant == "chunkllama":
+        w = c // 16 if local_window is None else _int_param("local_window", local_window, 0)
+        if w >= s:
+            raise ValueError(
+                f"dca: local_window={w} must be < chunk_size={s} for variant='chunkllama' "
+                "(its chunks hold chunk_size - local_window tokens)"
+            )
+        return s, w, c
+    w = c - s if local_window is None else _int_param("local_window", local_window, 0)
+    if w > c - s:
+        raise ValueError(
+            f"dca: local_window={w} must be <= pretraining_length - chunk_size = {c - s} "
+            f"(successive-chunk distances reach chunk_size + local_window - 1, which must stay < {c})"
+        )
+    return s, w, c
+
+
+def query_positions(i: torch.Tensor, s: int, w: int, c: int, variant: str = "paper") -> tuple[torch.Tensor, ...]:
+    """Target positions ``(intra, successive, inter)`` of queries at true positions ``i``."""
+    a = i % s
+    if variant == "chunkllama":
+        # the authors' code: chunks of L = s - w tokens, successive queries at min(a + L, s),
+        # inter-chunk queries where the last row's successive query sits, min(2L - 1, s).
+        step = s - w
+        a = i % step
+        return a, torch.clamp(a + step, max=s), torch.full_like(i, min(2 * step - 1, s))
+    return a, torch.where(a < w, s + a, torch.full_like(a, c - 1)), torch.full_like(i, c - 1)
+
+
+def relative_positions(n: int, s: int, w: int, c: int, variant: str = "paper") -> torch.Tensor:
+    """The ``(n, n)`` int64 matrix M of eqs. 2–8; -1 above the diagonal. Tests and pictures
+    only (it is N×N)."""
+    i = torch.arange(n)
+    step = s - w if variant == "chunkllama" else s
+    intra, succ, inter = (p[:, None] for p in query_positions(i, s, w, c, variant))
+    d = i[:, None] // step - i[None, :] // step
+    target = torch.where(d == 0, intra, torch.where(d == 1, succ, inter))
+    rel = target - (i % step)[None, :]
+    return torch.where(i[None, :] <= i[:, None], rel, torch.full_like(rel, -1))
+
+
+# --- rotary -----------------------------------------------------------------------------
+def rope_inv_freq(config: Any) -> torch.Tensor:
+    """The inverse frequencies a transformers model rotates with, computed from its config
+    exactly as its rotary module does (4.x ``rope_scaling`` or 5.x ``rope_parameters``)."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    if rope_type in _LENGTH_DEPENDENT_ROPE:
+        raise ValueError(
+            f"dca: rope_type={rope_type!r} changes RoPE frequencies with the input length, so cached keys cannot be "
+            "re-positioned exactly; DCA keeps every distance below the pretraining length, where this scaling "
+            "does nothing: load the model without it (or use linear / yarn / llama3 scaling)"
+        )
+    if rope_type != "default":
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        return ROPE_INIT_FUNCTIONS[rope_type](config, None)[0].float()
+    theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    dim = int(head_dim * params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)))
+    return default_inv_freq(dim, theta)
+
+
+def default_inv_freq(dim: int, theta: float = 10000.0) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
+def rotate(x: torch.Tensor, shift: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x (..., D)`` by ``shift`` positions (int, broadcastable to ``x.shape[:-1]``)
+    with RoPE's rotate-half layout; only the first ``2·len(inv_freq)`` dims rotate (partial
+    rotary). Angles are formed and reduced modulo 2π in fp64 (a shift of 10^5 positions
+    would lose ~1e-2 rad in fp32), the rotation runs in fp32, the result is in x's dtype."""
+    half = inv_freq.numel()
+    angle = shift.to(torch.float64)[..., None] * inv_freq.to(device=x.device, dtype=torch.float64)
+    angle = torch.remainder(angle, 2 * math.pi).float()
+    cos, sin = angle.cos(), angle.sin()
+    x1, x2 = x[..., :half].float(), x[..., half : 2 * half].float()
+    out = x.clone() if 2 * half < x.shape[-1] else torch.empty_like(x)
+    out[..., :half] = torch.addcmul(x1 * cos, x2, sin, value=-1)
+    out[..., half : 2 * half] = torch.addcmul(x2 * cos, x1, sin)
+    return out
+
+
+# --- kernels: attention of a query block with its log-sum-exp ---------------------------
+def _fused_available(q: torch.Tensor) -> bool:
+    return q.device.type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+
+
+def _fold(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """(B, H, L, D) -> (B, Hkv, G·L, D): grouped queries share their key head, so a
+    non-causal attention needs no copy of K and V per query head."""
+    b, h, l, d = q.shape
+    return q.reshape(b, kv_heads, (h // kv_heads) * l, d)
+
+
+def _unfold(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """Inverse of :func:`_fold` for outputs (B, Hkv, G·L, D) and LSEs (B, Hkv, G·L)."""
+    return x.reshape(x.shape[0], heads, -1, *x.shape[3:])
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, offset: Optional[int], backend: str, block: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (B,H,L,D) vs k/v (B,Hkv,Lk,D) -> output (B,H,L,D) and LSE (B,H,L) fp32. Query row u
+    sees key row t when ``t <= u + offset`` (None: every key)."""
+    h, hkv = q.shape[1], k.shape[1]
+    l, lk = q.shape[2], k.shape[2]
+    if backend == "sdpa":
+        op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        if offset is None:
+            out, lse = op(_fold(q, hkv), k, v, 0.0, False, scale=scale)
+            return _unfold(out, h), _unfold(lse, h)
+        groups = h // hkv
+        k, v = (x.repeat_interleave(groups, dim=1) if groups > 1 else x for x in (k, v))
+        if offset == 0 and l == lk:
+            return op(q, k, v, 0.0, True, scale=scale)
+        # the kernel takes additive masks only: -inf where key t > u + offset
+        bias = torch.full((l, lk), float("-inf"), dtype=q.dtype, device=q.device).triu(offset + 1)
+        return op(q, k, v, 0.0, False, attn_mask=bias, scale=scale)
+    return _attend_math(q, k, v, scale, offset, block)
+
+
+def _attend_math(q, k, v, scale, offset, block):
+    """Pure matmul fallback (any device, differentiable): keys in blocks of ``block`` rows
+    with a running max and sum in fp32, so memory stays O(L·block)."""
+    h, hkv = q.shape[1], k.shape[1]
+    qf = _fold(q, hkv).float() * scale
+    groups, l = h // hkv, q.shape[2]
+    rows = torch.arange(l, device=q.device).repeat(groups)[:, None]  # folded row -> query row
+    top = lse = acc = None
+    for start in range(0, k.shape[2], block):
+        kb, vb = k[:, :, start : start + block].float(), v[:, :, start : start + block].float()
+        scores = qf @ kb.transpose(-1, -2)
+        if offset is not None:
+            cols = torch.arange(start, start + kb.shape[2], device=q.device)[None, :]
+            scores = scores.masked_fill(cols > rows + offset, float("-inf"))
+        m = scores.amax(-1, keepdim=True)
+        if top is None:
+            top = m
+            p = (scores - top).exp()
+            lse, acc = p.sum(-1, keepdim=True), p @ vb
+        else:
+            new = torch.maximum(top, m)
+            fade, p = (top - new).exp(), (scores - new).exp()
+            lse, acc = lse * fade + p.sum(-1, keepdim=True), acc * fade + p @ vb
+            top = new
+    out = (acc / lse).to(q.dtype)
+    return _unfold(out, h), _unfold((lse.log() + top).squeeze(-1), h)
+
+
+def _merge(pieces: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Exact softmax over the union of the pieces' keys from their outputs and LSEs, folded
+    in pairwise: ``o = lerp(o_b, o_a, σ(lse_a − lse_b))``, the weights in fp32."""
+    out, lse = pieces[0][0], pieces[0][1].float()
+    for o, piece_lse in pieces[1:]:
+        piece_lse = piece_lse.float()
+        weight = torch.sigmoid(lse - piece_lse).unsqueeze(-1)  # share of the keys merged so far
+        out = torch.lerp(o.float(), out.float(), weight)
+        lse = torch.logaddexp(lse, piece_lse)
+    return out.to(pieces[0][0].dtype)
+
+
+def dca_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    inv_freq: torch.Tensor,
+    chunk_size: int,
+    local_window: int,
+    pretraining_length: int,
+    scale: Optional[float] = None,
+    backend: Optional[str] = None,
+    variant: str = "paper",
+) -> torch.Tensor:
+    """DCA output (B,H,Nq,D) for the last Nq of Nk positions: q (B,H,Nq,D) and k/v
+    (B,Hkv,Nk,D), q and k rotated at their true positions with ``inv_freq`` (what a
+    transformers attention function receives).
+
+    Per query chunk, the paper's three pieces, each returning its LSE, merged in fp32:
+
+    * intra-chunk: one causal attention of the chunk on the untouched q and k — the
+      distance is the true one, so the model's own rotation is already right;
+    * successive-chunk: the first w rows are at the true distance too (untouched q and k);
+      the other rows put the query at c - 1 like the inter-chunk piece, so for them both
+      pieces are one attention over all earlier chunks;
+    * inter-chunk: the query rotated once to c - 1, keys rotated to ``j mod s``.
+
+    Non-causal pieces need no mask, the causal one is square: no masked work in prefill."""
+    s, w, c = chunk_size, local_window, pretraining_length
+    nq, nk = q.shape[2], k.shape[2]
+    start = nk - nq
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    backend = _backend(backend, q, k, v)
+    step = s - w if variant == "chunkllama" else s  # the length keys repeat their positions with
+    near = min(step, w + 1 if variant == "chunkllama" else w)  # rows whose successive distance is true
+    inter_at = min(2 * step - 1, s) if variant == "chunkllama" else c - 1
+    succ_at = s if variant == "chunkllama" else c - 1  # the far rows' successive query position
+    dev = q.device
+    out = torch.empty_like(q)
+    k_far: list[torch.Tensor] = []  # keys at j mod step, made on first use (never within c tokens)
+
+    def far(rows: slice, pos: torch.Tensor, keys: slice, at: int):
+        if not k_far:  # the last chunk's keys are never far; chunk j moves by -j·step
+            chunks = (nk - 1) // step
+            whole = k[:, :, : chunks * step].reshape(*k.shape[:2], chunks, step, k.shape[-1])
+            shift = -step * torch.arange(chunks, device=dev)[:, None]
+            k_far.append(rotate(whole, shift, inv_freq).flatten(2, 3))
+        return _attend(rotate(q[:, :, rows], at - pos, inv_freq), k_far[0][:, :, keys], v[:, :, keys], scale, None, backend, step)
+
+    for m in range(start // step, (nk - 1) // step + 1):
+        lo, hi = max(m * step, start), min((m + 1) * step, nk)
+        intra = _attend(q[:, :, lo - start : hi - start], k[:, :, m * step : hi], v[:, :, m * step : hi],
+                        scale, lo - m * step, backend, step)
+        if m == 0:
+            out[:, :, lo - start : hi - start] = intra[0]
+            continue
+        prev, before = slice((m - 1) * step, m * step), slice(0, (m - 1) * step)
+        for g_lo, g_hi, is_near in ((lo, min(hi, m * step + near), True), (max(lo, m * step + near), hi, False)):
+            if g_lo >= g_hi:
+                continue
+            rows, pos = slice(g_lo - start, g_hi - start), torch.arange(g_lo, g_hi, device=dev)
+            pieces = [(intra[0][:, :, g_lo - lo : g_hi - lo], intra[1][:, :, g_lo - lo : g_hi - lo])]
+            if is_near:  # successive chunk at the true distance: the model's own rotation
+                pieces.append(_attend(q[:, :, rows], k[:, :, prev], v[:, :, prev], scale, None, backend, step))
+            elif succ_at == inter_at:  # previous chunk and all before seen from one position
+                pieces.append(far(rows, pos, slice(0, m * step), inter_at))
+            else:
+                pieces.append(far(rows, pos, prev, succ_at))
+            if m >= 2 and (is_near or succ_at != inter_at):
+                pieces.append(far(rows, pos, before, inter_at))
+            out[:, :, rows] = _merge(pieces)
+    return out
+
+
+def _backend(backend: Optional[str], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
+    """Auto: torch's fused CPU kernel (it returns the LSE) for inference; the matmul path
+    when gradients are needed (the LSE merge must be differentiated) or off CPU."""
+    if backend is None:
+        grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+        return "sdpa" if _fused_available(q) and not grad else "math"
+    if backend not in BACKENDS:
+        raise ValueError(f"dca: backend={backend!r} is unknown; allowed: {', '.join(BACKENDS)} or None (automatic)")
+    if backend == "sdpa" and not _fused_available(q):
+        raise ValueError("dca: backend='sdpa' needs CPU tensors (torch's fused CPU kernel returns the LSE); use backend='math'")
+    return backend
+
+
+# --- the pattern ------------------------------------------------------------------------
+class DualChunkAttention(Pattern):
+    """DCA with chunk size s, local window w and pretraining length c; any left as None is
+    taken from the model (c = ``config.max_position_embeddings``, the context the model
+    handles with its current RoPE) and the paper's defaults (s = 3c/4, w = c - s)."""
+
+    name = "dca"
+
+    def __init__(
+        self,
+        chunk_size: Optional[int] = None,
+        local_window: Optional[int] = None,
+        pretraining_length: Optional[int] = None,
+        variant: str = "paper",
+        backend: Optional[str] = None,
+    ) -> None:
+        if variant not in VARIANTS:
+            raise ValueError(f"dca: variant={variant!r} is unknown; allowed: {', '.join(VARIANTS)}")
+        if backend is not None and backend not in BACKENDS:
+            raise ValueError(f"dca: backend={backend!r} is unknown; allowed: {', '.join(BACKENDS)} or None (automatic)")
+        if chunk_size is not None:
+            _int_param("chunk_size", chunk_size, 1)
+        if local_window is not None:
+            _int_param("local_window", local_window, 0)
+        if pretraining_length is not None:
+            resolve(pretraining_length, chunk_size, local_window, variant)
+        super().__init__(backend=backend, chunk_size=chunk_size, local_window=local_window,
+                         pretraining_length=pretraining_length, variant=variant)
+        self.chunk_size, self.local_window, self.pretraining_length = chunk_size, local_window, pretraining_length
+        self.variant = variant
+
+    def sizes(self, pretraining_length: Optional[int] = None) -> tuple[int, int, int]:
+        """``(s, w, c)``; ``pretraining_length`` is the model's, used when none was given."""
+        c = self.pretraining_length or pretraining_length
+        if c is None:
+            raise ValueError("dca: pretraining_length is unknown; pass pretraining_length=<the model's context>")
+        return resolve(c, self.chunk_size, self.local_window, self.variant)
+
+    def relative_positions(self, n: int, pretraining_length: Optional[int] = None) -> torch.Tensor:
+        return relative_positions(n, *self.sizes(pretraining_length), variant=self.variant)
+
+    def keys(self, h: torch.Tensor, i: torch.Tensor, n: int, num_heads: int) -> Keys:
+        # DCA changes positions, never visibility: every causal key.
+        zero = torch.zeros_like(i + h)
+        return zero, zero + n - 1, zero + 1
+
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: Optional[str] = None,
+        inv_freq: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """Whole-sequence DCA of RoPE-free q (B,H,N,D), k/v (B,Hkv,N,D): DCA applies RoPE
+        itself with ``inv_freq`` (default: base 10000 over all of D)."""
+        _check_qkv(q, k, v)
+        self.check_heads(q.shape[1])
+        s, w, c = self.sizes()
+        inv_freq = default_inv_freq(q.shape[-1]) if inv_freq is None else inv_freq.to(q.device)
+        pos = torch.arange(q.shape[2], device=q.device)
+        q, k = rotate(q, pos, inv_freq), rotate(k, pos, inv_freq)
+        return dca_attention(q, k, v, inv_freq, s, w, c, backend=backend or self.backend, variant=self.variant)
+
+    # --- transformers AttentionInterface hook -------------------------------------------
+    def attend_hf(
+        self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+        attention_mask: Optional[torch.Tensor], scaling: Optional[float] = None, dropout: float = 0.0, **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        """Prefill, chunked prefill and cached decoding in one path: the ``Nq`` new queries
+        are the last of ``Nk`` positions, everything rotated at its true position."""
+        if dropout:
+            raise ValueError(f"dca: attention dropout={dropout} is not supported; DCA is training-free (set model.eval())")
+        nq, nk = query.shape[2], key.shape[2]
+        if attention_mask is not None:
+            if attention_mask.dim() != 2:
+                raise ValueError(
+                    f"dca: expected the 2-D padding mask, got attention_mask of shape {tuple(attention_mask.shape)}"
+                )
+            mask = attention_mask.bool()
+            if bool((mask[:, 1:] & ~mask[:, :-1]).any()):
+                raise ValueError(
+                    "dca supports right padding only (a real token follows a padding token); "
+                    "set tokenizer.padding_side='right'"
+                )
+        window = kwargs.get("sliding_window")
+        if window is not None and window < nk:
+            raise ValueError(
+                f"dca: sliding_window={window} is shorter than the sequence ({nk}); DCA assumes global causal attention"
+            )
+        positions = kwargs.get("position_ids")
+        if positions is not None:
+            expected = torch.arange(nk - nq, nk, device=positions.device)
+            if positions.shape[-1] != nq or not bool((positions == expected).all()):
+                raise ValueError(
+                    "dca: position_ids must be the token indices (0..N-1 over the cache); packed sequences and left "
+                    "padding are not supported"
+                )
+        config = module.config
+        s, w, c = self.sizes(int(config.max_position_embeddings))
+        inv_freq = rope_inv_freq(config).to(query.device)
+        out = dca_attention(query, key, value, inv_freq, s, w, c, scale=scaling, backend=self.backend, variant=self.variant)
+        return out.transpose(1, 2).contiguous(), None
+
+
+def dca(
+    chunk_size: Optional[int] = None,
+    local_window: Optional[int] = None,
+    pretraining_length: Optional[int] = None,
+    variant: str = "paper",
+    backend: Optional[str] = None,
+) -> DualChunkAttention:
+    """Dual Chunk Attention; see :class:`DualChunkAttention`. ``variant='chunkllama'``
+    reproduces the authors' public code instead of the paper's equations."""
+    return DualChunkAttention(chunk_size, local_window, pretraining_length, variant, backend)
+
+
+register("dca", dca)

@@ -1,0 +1,32 @@
+"""Build the tiny base model's corpus from this Python's standard library plus synthetic
+passkey documents (see sparse_ft/data/corpus.py):
+
+    python data/build_corpus.py                       # data/corpus/ctx256: train.bin, val.bin, corpus.json
+    python data/build_corpus.py --context 1024 --output data/corpus/ctx1024
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+from sparse_ft.data.corpus import build_corpus
+from sparse_ft.tiny import tiny_tokenizer
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--output", type=Path, default=None, help="default: data/corpus/ctx<CONTEXT>")
+    parser.add_argument("--context", type=int, default=256, help="tokens per training block")
+    parser.add_argument("--passkey-fraction", type=float, default=0.3, help="share of blocks that start with a passkey document")
+    parser.add_argument("--val-percent", type=float, default=5.0, help="share of modules held out (by content hash)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    output = args.output or Path(__file__).parent / "corpus" / f"ctx{args.context}"
+    manifest = build_corpus(output, tiny_tokenizer(), args.context, args.passkey_fraction, args.val_percent, args.seed)
+    print(json.dumps(manifest, indent=1))
+    print(f"wrote {output}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

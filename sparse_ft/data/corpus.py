@@ -1,0 +1,138 @@
+"""The tiny base model's corpus, built on the user's machine: the standard library's modules
+(code, docstrings, comments) mixed with synthetic passkey documents.
+
+Deterministic by construction (sorted files, seeded RNG, a hash split), so the same Python
+gives the same bytes everywhere and the committed checkpoint can be re-derived. Outputs:
+
+- ``train.bin``: uint16 tokens in blocks of ``context``; a passkey block starts with a whole
+  passkey document (so the needle, question and answer share one window), then EOS and text.
+- ``val.bin`` (+ ``val.json``): held-out modules only, joined by EOS, in the evaluator's flat
+  token format (``sparse-ft eval ppl --data val.bin``).
+- ``corpus.json``: what went in, counts and checksums.
+- ``train.jsonl`` (optional, :func:`write_jsonl`): the same blocks as documents of
+  ``context - 1`` tokens for ``train.py``, whose packing appends EOS, so its samples of
+  ``context`` tokens are exactly these blocks and no passkey document is cut.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import random
+from pathlib import Path
+from typing import Iterable, Optional
+
+import numpy as np
+from tqdm import tqdm
+
+from sparse_ft.data.passkey_docs import passkey_document
+from sparse_ft.data.stdlib_text import iter_stdlib_documents
+from sparse_ft.evaluation.tokens import DTYPES, dtype_for, write_token_file
+
+
+def is_validation(text: str, val_percent: float) -> bool:
+    """Split by content hash: stable under reordering and across machines."""
+    return int(hashlib.sha256(text.encode("utf-8")).hexdigest()[:8], 16) % 10000 < val_percent * 100
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def build_corpus(output_dir: Path, tokenizer, context: int = 256, passkey_fraction: float = 0.3,
+                 val_percent: float = 5.0, seed: int = 0, modules: Optional[Iterable[str]] = None,
+                 max_blocks: Optional[int] = None) -> dict:
+    """Write train.bin, val.bin and corpus.json under ``output_dir``; return the manifest.
+
+    ``modules=None`` takes every top-level module of the standard library; ``max_blocks``
+    stops early (the validation split is unchanged).
+    """
+    if not 0.0 <= passkey_fraction <= 1.0:
+        raise ValueError(f"passkey_fraction={passkey_fraction} must be within [0, 1]")
+    if not 0.0 < val_percent < 100.0:
+        raise ValueError(f"val_percent={val_percent} must be within (0, 100)")
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise ValueError("the tokenizer has no eos_token_id; documents are separated by EOS")
+    train: list[int] = []
+    val: list[int] = []
+    files = {"train": 0, "validation": 0}
+    for text in tqdm(list(iter_stdlib_documents(modules)), desc="tokenize stdlib", unit="module"):
+        split = "validation" if is_validation(text, val_percent) else "train"
+        files[split] += 1
+        (val if split == "validation" else train).extend(tokenizer(text, add_special_tokens=False)["input_ids"] + [eos])
+    if not val or not train:
+        raise ValueError(f"val_percent={val_percent} leaves {files} modules per split; both need at least one")
+
+    rng = random.Random(seed)
+    blocks: list[list[int]] = []
+    keys: list[str] = []
+    pos = 0
+    while max_blocks is None or len(blocks) < max_blocks:
+        if rng.random() < passkey_fraction:
+            doc, key = passkey_document(tokenizer, context - 1, rng)
+            block = doc + [eos]
+            keys.append(key)
+        else:
+            block = []
+        take = context - len(block)
+        if pos + take > len(train):
+            if block:
+                keys.pop()
+            break
+        blocks.append(block + train[pos : pos + take])
+        pos += take
+
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    vocab = len(tokenizer)
+    dtype = dtype_for(vocab)
+    train_path = output_dir / "train.bin"
+    tmp = train_path.with_suffix(".bin.tmp")
+    np.asarray(blocks, dtype=DTYPES[dtype]).tofile(tmp)
+    tmp.replace(train_path)
+    val_path = write_token_file(np.asarray(val), output_dir / "val.bin", vocab, type(tokenizer).__name__)
+    manifest = {
+        "python": platform.python_version(),
+        "modules": "all top-level stdlib modules" if modules is None else list(modules),
+        "files": files, "context": context, "max_blocks": max_blocks, "dtype": dtype, "seed": seed,
+        "passkey_fraction": passkey_fraction, "val_percent": val_percent,
+        "train_blocks": len(blocks), "passkey_blocks": len(keys), "train_tokens": len(blocks) * context,
+        "text_tokens_used": pos, "val_tokens": len(val),
+        "sha256": {"train.bin": _sha256(train_path), "val.bin": _sha256(val_path)},
+    }
+    (output_dir / "corpus.json").write_text(json.dumps(manifest, indent=1))
+    return manifest
+
+
+def load_blocks(output_dir: Path) -> np.ndarray:
+    """train.bin as a (blocks, context) memory map."""
+    manifest = json.loads((Path(output_dir) / "corpus.json").read_text())
+    tokens = np.memmap(Path(output_dir) / "train.bin", dtype=DTYPES[manifest["dtype"]], mode="r")
+    return tokens.reshape(-1, manifest["context"])
+
+
+def write_jsonl(output_dir: Path, tokenizer, max_blocks: Optional[int] = None) -> Path:
+    """train.bin's blocks as ``{"text"}`` documents of ``context - 1`` tokens (``train.jsonl``).
+
+    The EOS between a passkey document and the text after it becomes a newline; a block whose
+    text does not re-tokenise to the same length (a byte sequence cut inside a character) is
+    left out rather than allowed to shift every later sample.
+    """
+    output_dir = Path(output_dir)
+    blocks = load_blocks(output_dir)[:max_blocks]
+    (newline,) = tokenizer("\n", add_special_tokens=False)["input_ids"]
+    path, kept = output_dir / "train.jsonl", 0
+    tmp = path.with_suffix(".jsonl.tmp")
+    with open(tmp, "w") as out:
+        for block in tqdm(blocks, desc="write train.jsonl", unit="block"):
+            ids = [newline if t == tokenizer.eos_token_id else int(t) for t in block[:-1]]
+            text = tokenizer.decode(ids)
+            if len(tokenizer(text, add_special_tokens=False)["input_ids"]) == len(ids):
+                out.write(json.dumps({"text": text}) + "\n")
+                kept += 1
+    tmp.replace(path)
+    if kept == 0:
+        raise ValueError(f"no block of {output_dir / 'train.bin'} survives decoding; is it from this tokenizer?")
+    return path

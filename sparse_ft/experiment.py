@@ -1,0 +1,267 @@
+"""``sparse-ft experiment``: the papers' tables at laptop scale.
+
+The tiny base model (``assets/tiny-base``, pretrained at C = 256 tokens) is extended to 4C
+with position interpolation + LoRA+ through each training pattern on an identical budget
+and several seeds (SCCA's Table 2), and measured beside the training-free methods on the
+unchanged base out to 8C (DCA's Table 1). Everything is measured the same way: full
+attention at evaluation, standard sliding-window PPL on held-out stdlib modules, passkey
+retrieval over lengths x depths. Training and evaluation are the project's own (``train.py``'s
+loop, ``sparse_ft.evaluation``); this module only schedules them and tabulates.
+
+Each finished row is written to ``rows/<name>.json`` at once and reused by a rerun with the
+same settings, so an interrupted experiment resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from sparse_ft.pretrain import ASSET_DIR, machine
+
+RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "experiment" / "tiny_4x.yaml"
+PATTERNS = ["full", "s2", "scca_fixed", "scca_flow", "longmixed"]
+# training-free rows: label -> (evaluation method, its parameters for a 256-token base)
+FREE_METHODS: dict[str, tuple[str, dict]] = {
+    "vanilla": ("full", {}),
+    "pi": ("pi", {}),
+    "ntk": ("ntk", {}),
+    "yarn": ("yarn", {}),
+    "dca": ("dca", {}),
+    "longheads": ("longheads", {"chunk_size": 32}),  # the paper's 256 is the whole window here
+    "parallelcomp": ("parallelcomp", {}),
+}
+
+
+@dataclass
+class ExperimentConfig:
+    base: str = str(ASSET_DIR)
+    output: str = "results/experiment"  # JSON, tables, plots: small enough to commit
+    runs: str = "runs/experiment"  # adapters and training logs
+    recipe: str = str(RECIPE)
+    factor: int = 4  # fine-tuning target = factor x the base's context
+    patterns: list[str] = field(default_factory=lambda: list(PATTERNS))
+    seeds: list[int] = field(default_factory=lambda: [0, 1])
+    steps: int = 150
+    ppl_factors: list[int] = field(default_factory=lambda: [1, 2, 4])
+    passkey_factors: list[int] = field(default_factory=lambda: [1, 2, 3, 4])
+    free_methods: list[str] = field(default_factory=lambda: list(FREE_METHODS))
+    free_factors: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    ppl_windows: int = 16  # windows per length; stride = the base's context
+    passkey_depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
+    passkey_trials: int = 5
+    data: str = ".cache/sparse-ft/experiment"  # fine-tuning corpus at the target length
+    modules: Optional[list[str]] = None  # stdlib modules of the corpus (None: all; tests use a few)
+    val_percent: float = 5.0
+
+    def validate(self) -> None:
+        import attn_patterns
+
+        for p in self.patterns:
+            if p not in attn_patterns.names():
+                raise ValueError(f"--patterns {p!r} is unknown; allowed: {', '.join(attn_patterns.names())}")
+        for m in self.free_methods:
+            if m not in FREE_METHODS:
+                raise ValueError(f"--free-methods {m!r} is unknown; allowed: {', '.join(FREE_METHODS)}")
+        for key in ("factor", "steps", "ppl_windows", "passkey_trials"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"--{key.replace('_', '-')} {getattr(self, key)} must be >= 1")
+        if not self.seeds:
+            raise ValueError("--seeds must list at least one seed")
+        if not Path(self.base, "config.json").is_file():
+            raise FileNotFoundError(f"--base {self.base}: no checkpoint there (sparse-ft pretrain writes one)")
+
+
+QUICK = dict(output="results/experiment-quick", runs="runs/experiment-quick", steps=30, ppl_windows=4,
+             passkey_trials=2, passkey_depths=[0.0, 0.5, 1.0], passkey_factors=[1, 2, 4], free_factors=[1, 2, 4, 8])
+
+
+def _row_key(kind: str, settings: dict) -> str:
+    return hashlib.sha256(json.dumps([kind, settings], sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def evaluate(model, tokenizer, method, val, context: int, ppl_lengths: list[int], passkey_lengths: list[int],
+             cfg: ExperimentConfig) -> dict:
+    from sparse_ft.evaluation import passkey, ppl
+
+    out: dict[str, Any] = {"ppl": [], "passkey": []}
+    if method.supports_ppl:
+        out["ppl"] = [ppl.evaluate_length(model, val, n, context, "standard", method, 1, cfg.ppl_windows) for n in ppl_lengths]
+    cells = passkey.evaluate(model, tokenizer, passkey_lengths, cfg.passkey_depths, cfg.passkey_trials, method, seed=0)
+    out["passkey"] = [{k: c[k] for k in ("length", "depth", "accuracy", "trials", "outputs", "keys")} for c in cells]
+    return out
+
+
+class Runner:
+    def __init__(self, cfg: ExperimentConfig) -> None:
+        from transformers import AutoConfig
+
+        from sparse_ft.rope import original_context
+
+        cfg.validate()
+        self.cfg = cfg
+        self.out = Path(cfg.output)
+        (self.out / "rows").mkdir(parents=True, exist_ok=True)
+        self.context = original_context(AutoConfig.from_pretrained(cfg.base))
+        self.target = self.context * cfg.factor
+        self.jsonl: Optional[Path] = None  # the fine-tuning documents, once data() built them
+
+    def _cached(self, name: str, key: str) -> Optional[dict]:
+        path = self.out / "rows" / f"{name}.json"
+        if path.is_file():
+            row = json.loads(path.read_text())
+            if row.get("key") == key:
+                print(f"reusing {path}")
+                return row
+        return None
+
+    def _write(self, row: dict) -> dict:
+        from sparse_ft.evaluation.report import write_json
+
+        write_json(self.out / "rows" / f"{row['name']}.json", row)
+        return row
+
+    def data(self):
+        """The fine-tuning corpus (blocks of the target length) and the validation tokens."""
+        from sparse_ft.data.corpus import build_corpus, write_jsonl
+        from sparse_ft.data.packing import build_train_dataset
+        from sparse_ft.evaluation.tokens import load_tokens
+        from sparse_ft.train.model_setup import load_tokenizer
+
+        tokenizer = load_tokenizer(self.cfg.base)
+        recipe = self._recipe("full", 0)
+        blocks = self.cfg.steps * recipe.train.per_device_batch_size * recipe.train.gradient_accumulation_steps
+        spec = _row_key("data", [self.target, blocks, self.cfg.modules, self.cfg.val_percent])
+        directory = Path(self.cfg.data) / f"ctx{self.target}-{spec}"
+        if not (directory / "train.jsonl").is_file():
+            build_corpus(directory, tokenizer, context=self.target, max_blocks=blocks + 8, modules=self.cfg.modules,
+                         val_percent=self.cfg.val_percent)
+            write_jsonl(directory, tokenizer)
+        self.jsonl = directory / "train.jsonl"
+        # tokenise and pack once here, so no run's training time includes it
+        build_train_dataset(self._recipe("full", 0).data, tokenizer, self.target)
+        return load_tokens(str(directory / "val.bin"), tokenizer, len(tokenizer))
+
+    def _recipe(self, pattern: str, seed: int, output_dir: str = "runs/experiment"):
+        from sparse_ft.config import load_recipe
+
+        overrides = [f"model.name_or_path={self.cfg.base}", f"model.target_length={self.target}",
+                     f"attention.pattern={pattern}", f"train.seed={seed}", f"train.output_dir={output_dir}",
+                     f"train.max_steps={self.cfg.steps}"]
+        if self.jsonl is not None:
+            overrides.append(f"data.source={self.jsonl}")
+        return load_recipe(self.cfg.recipe, overrides)
+
+    def fine_tuned(self, pattern: str, seed: int, val) -> dict:
+        from sparse_ft.evaluation import loading, methods
+        from sparse_ft.train.loop import train
+
+        name = f"{pattern}-seed{seed}"
+        run_dir = Path(self.cfg.runs) / name
+        recipe = self._recipe(pattern, seed, str(run_dir))
+        settings = {"recipe": recipe.to_dict(), **self._eval_settings()}
+        key = _row_key("fine-tuned", settings)
+        if (row := self._cached(name, key)) is not None:
+            return row
+        began = time.perf_counter()
+        summary = train(recipe)
+        train_seconds = time.perf_counter() - began
+        model, tokenizer = loading.load(self.cfg.base, summary["adapter"])
+        ppl_lengths = [self.context * f for f in self.cfg.ppl_factors]
+        passkey_lengths = [self.context * f for f in self.cfg.passkey_factors]
+        result = evaluate(model, tokenizer, methods.get("full"), val, self.context, ppl_lengths, passkey_lengths, self.cfg)
+        return self._write({"name": name, "kind": "fine-tuned", "pattern": pattern, "seed": seed, "key": key,
+                            "train_seconds": train_seconds, "eval_seconds": time.perf_counter() - began - train_seconds,
+                            "final_loss": summary["final_loss"], "loss_curve": [h["loss"] for h in summary["history"]],
+                            **result})
+
+    def training_free(self, label: str, val) -> dict:
+        from sparse_ft.evaluation import loading, methods
+
+        name, params = FREE_METHODS[label]
+        key = _row_key("training-free", {"method": [name, params], "base": self.cfg.base, **self._eval_settings()})
+        if (row := self._cached(label, key)) is not None:
+            return row
+        began = time.perf_counter()
+        method = methods.get(name, **params)
+        model, tokenizer = loading.load(self.cfg.base)
+        lengths = [self.context * f for f in self.cfg.free_factors]
+        result = evaluate(model, tokenizer, method, val, self.context, lengths, lengths, self.cfg)
+        return self._write({"name": label, "kind": "training-free", "method": name, "params": params, "key": key,
+                            "eval_seconds": time.perf_counter() - began, **result})
+
+    def _eval_settings(self) -> dict:
+        c = self.cfg
+        return {"ppl_factors": c.ppl_factors, "passkey_factors": c.passkey_factors, "free_factors": c.free_factors,
+                "ppl_windows": c.ppl_windows, "depths": c.passkey_depths, "trials": c.passkey_trials,
+                "base_sha": _file_sha(Path(c.base) / "model.safetensors")}
+
+    def run(self) -> dict:
+        began = time.perf_counter()
+        val = self.data()
+        rows = [self.fine_tuned(p, s, val) for p in self.cfg.patterns for s in self.cfg.seeds]
+        rows += [self.training_free(m, val) for m in self.cfg.free_methods]
+        results = {"config": asdict(self.cfg), "context": self.context, "target": self.target, "rows": rows,
+                   "wall_seconds": time.perf_counter() - began, "machine": machine()}
+        from sparse_ft.experiment_report import write_report
+
+        write_report(results, self.out)
+        return results
+
+
+def _file_sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
+def _list(kind):
+    def parse(text: str):
+        try:
+            return [kind(x) for x in text.split(",") if x]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} must be a comma-separated list of {kind.__name__}") from None
+    return parse
+
+
+def add_parser(sub) -> None:
+    d = ExperimentConfig()
+    p = sub.add_parser("experiment", help="the tiny base extended 4x by every pattern and training-free method: tables, plots")
+    p.add_argument("--quick", action="store_true", help=f"smaller budget for a first look ({QUICK})")
+    p.add_argument("--base", default=d.base)
+    p.add_argument("--output", default=None, help=f"results folder (default {d.output}, with --quick {QUICK['output']})")
+    p.add_argument("--runs", default=None, help=f"adapters (default {d.runs}, with --quick {QUICK['runs']})")
+    p.add_argument("--recipe", default=d.recipe)
+    p.add_argument("--patterns", type=_list(str), default=None, help=",".join(d.patterns))
+    p.add_argument("--seeds", type=_list(int), default=None, help="default 0,1")
+    p.add_argument("--steps", type=int, default=None, help=f"fine-tuning steps per run (default {d.steps})")
+    p.add_argument("--free-methods", type=_list(str), default=None, help=",".join(d.free_methods))
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.set_defaults(func=run)
+
+
+def config_from_args(args) -> ExperimentConfig:
+    cfg = ExperimentConfig(base=args.base, recipe=args.recipe)
+    if args.quick:
+        cfg = replace(cfg, **QUICK)
+    for key in ("output", "runs", "patterns", "seeds", "steps", "free_methods"):
+        if getattr(args, key) is not None:
+            cfg = replace(cfg, **{key: getattr(args, key)})
+    return cfg
+
+
+def run(args) -> int:
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads {args.threads} must be >= 1")
+        torch.set_num_threads(args.threads)
+    cfg = config_from_args(args)
+    results = Runner(cfg).run()
+    print((Path(cfg.output) / "tables.md").read_text())
+    print(f"wrote {cfg.output} in {results['wall_seconds']:.0f} s")
+    return 0

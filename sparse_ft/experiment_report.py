@@ -1,0 +1,106 @@
+"""Tables and pictures of ``sparse-ft experiment`` results: fine-tuned rows shaped like SCCA's
+Table 2 (PPL at 1x-4x after PI + LoRA+ through each training pattern, mean and spread over
+seeds), training-free rows like DCA's Table 1 (PPL far past the pretraining length), passkey
+accuracy per length, a PPL-vs-length plot and one passkey heatmap per row."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+from statistics import mean
+
+from sparse_ft.evaluation.plots import plot_passkey, plot_ppl
+from sparse_ft.evaluation.report import write_json
+
+
+def _by_pattern(rows: list[dict]) -> dict[str, list[dict]]:
+    groups: dict[str, list[dict]] = defaultdict(list)
+    for row in rows:
+        if row["kind"] == "fine-tuned":
+            groups[row["pattern"]].append(row)
+    return groups
+
+
+def _ppl(row: dict) -> dict[int, float]:
+    return {r["length"]: r["ppl"] for r in row["ppl"]}
+
+
+def _passkey(row: dict) -> dict[int, float]:
+    acc: dict[int, list[float]] = defaultdict(list)
+    for c in row["passkey"]:
+        acc[c["length"]].append(c["accuracy"])
+    return {n: mean(v) for n, v in acc.items()}
+
+
+def _spread(values: list[float], digits: int) -> str:
+    """mean ± half the range over seeds (with two seeds: ± half their difference)."""
+    if len(values) == 1:
+        return f"{values[0]:.{digits}f}"
+    return f"{mean(values):.{digits}f} ± {(max(values) - min(values)) / 2:.{digits}f}"
+
+
+def _mean_cells(rows: list[dict]) -> list[dict]:
+    acc: dict[tuple, list[float]] = defaultdict(list)
+    for row in rows:
+        for c in row["passkey"]:
+            acc[(c["length"], c["depth"])].append(c["accuracy"])
+    return [{"length": n, "depth": d, "accuracy": mean(v)} for (n, d), v in sorted(acc.items())]
+
+
+def tables(results: dict) -> str:
+    rows, context, target = results["rows"], results["context"], results["target"]
+    cfg = results["config"]
+    out = [f"# Tiny-scale experiment: {context} -> {target} tokens", "",
+           f"Base: `{cfg['base']}` (context {context}). Fine-tuning: PI to {target} + LoRA+ through each pattern, "
+           f"{cfg['steps']} steps each, seeds {cfg['seeds']}; evaluation with full attention, standard sliding-window "
+           f"PPL (stride {context}, {cfg['ppl_windows']} windows per length) on held-out stdlib modules; passkey: "
+           f"{cfg['passkey_trials']} keys x depths {cfg['passkey_depths']}, greedy, exact match. "
+           f"Wall time {results['wall_seconds'] / 60:.1f} min.", ""]
+    groups = _by_pattern(rows)
+    if groups:
+        ppl_lengths = sorted({n for g in groups.values() for r in g for n in _ppl(r)})
+        pk_lengths = sorted({n for g in groups.values() for r in g for n in _passkey(r)})
+        out += ["## Fine-tuned (SCCA Table 2 shape): PPL, mean ± half-range over seeds", "",
+                "| training pattern | " + " | ".join(f"PPL@{n}" for n in ppl_lengths) + " | "
+                + " | ".join(f"passkey@{n}" for n in pk_lengths) + " | final loss | train s/run |",
+                "|---|" + "---:|" * (len(ppl_lengths) + len(pk_lengths) + 2)]
+        for pattern, group in groups.items():
+            cells = [_spread([_ppl(r)[n] for r in group], 3) for n in ppl_lengths]
+            cells += [_spread([_passkey(r)[n] for r in group], 2) for n in pk_lengths]
+            cells += [_spread([r["final_loss"] for r in group], 3), f"{mean(r['train_seconds'] for r in group):.0f}"]
+            out.append(f"| {pattern} | " + " | ".join(cells) + " |")
+        out.append("")
+    free = [r for r in rows if r["kind"] == "training-free"]
+    if free:
+        lengths = sorted({c["length"] for r in free for c in r["passkey"]})
+        out += ["## Training-free on the base (DCA Table 1 shape): PPL", "",
+                "| method | " + " | ".join(f"PPL@{n}" for n in lengths) + " |", "|---|" + "---:|" * len(lengths)]
+        for r in free:
+            ppl = _ppl(r)
+            out.append(f"| {r['name']} | " + " | ".join(f"{ppl[n]:.3f}" if n in ppl else "n/a" for n in lengths) + " |")
+        out += ["", "## Training-free on the base: passkey accuracy (mean over depths)", "",
+                "| method | " + " | ".join(str(n) for n in lengths) + " |", "|---|" + "---:|" * len(lengths)]
+        for r in free:
+            acc = _passkey(r)
+            out.append(f"| {r['name']} | " + " | ".join(f"{acc[n]:.2f}" for n in lengths) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
+def write_report(results: dict, out: Path) -> None:
+    out = Path(out)
+    write_json(out / "results.json", results)
+    (out / "tables.md").write_text(tables(results))
+    series = []
+    for pattern, group in _by_pattern(results["rows"]).items():
+        lengths = sorted(_ppl(group[0]))
+        series.append((f"{pattern} (FT)", [{"length": n, "ppl": mean(_ppl(r)[n] for r in group)} for n in lengths]))
+        plot_passkey(_mean_cells(group), out / f"passkey_ft_{pattern}.png", f"passkey after fine-tuning: {pattern}")
+    for row in results["rows"]:
+        if row["kind"] == "training-free":
+            if row["ppl"]:
+                series.append((row["name"], row["ppl"]))
+            plot_passkey(row["passkey"], out / f"passkey_free_{row['name']}.png", f"passkey, training-free: {row['name']}")
+    if series:
+        plot_ppl(series, out / "ppl_vs_length.png")
+    print(f"wrote {out / 'results.json'}, {out / 'tables.md'} and plots")

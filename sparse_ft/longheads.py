@@ -1,0 +1,91 @@
+"""LongHeads inside a transformers model: what the pure pattern (``attn_patterns.longheads``)
+cannot know by itself: the RoPE frequencies the model rotated q/k with, its pretraining
+length, and which positions a call covers when a KV cache is in use.
+
+One path serves prefill, chunked prefill and cached decoding: the call's queries are the last
+``Nq`` of the ``Nk`` cached positions. Decoding needs the queries of the chunk being filled to
+build its representation once it is complete (paper §2.4), and the cache keeps only keys and
+values, so each attention layer carries a small state: the complete chunks' representations
+and the queries since the last complete chunk.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+
+from attn_patterns.longheads import LongHeads, attend, chunk_representations
+from sparse_ft import rope
+
+_STATE_ATTR = "_longheads_state"
+
+
+def rope_inv_freq(config: Any) -> torch.Tensor:
+    """The inverse frequencies a transformers model rotates with, from its config (4.x
+    ``rope_scaling`` or 5.x ``rope_parameters``), through transformers' own RoPE functions.
+    Dynamic NTK changes them with the input length at run time, so re-positioning could not
+    be exact: refused."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = rope.rope_parameters(config)
+    rope_type = params["rope_type"]
+    if rope_type == "dynamic":
+        raise ValueError("rope_type='dynamic' changes RoPE frequencies with the input length; LongHeads needs fixed ones")
+    if rope_type != "default":
+        if rope_type not in ROPE_INIT_FUNCTIONS:
+            raise ValueError(f"rope_type={rope_type!r} is unknown to transformers; allowed: default, {', '.join(ROPE_INIT_FUNCTIONS)}")
+        return ROPE_INIT_FUNCTIONS[rope_type](config, None)[0].float()
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    fraction = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+    dim = int(head_dim * fraction)
+    return 1.0 / (float(params["rope_theta"]) ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+
+
+def attend_hf(
+    pattern: LongHeads, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor], scaling: Optional[float] = None, dropout: float = 0.0, **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function body: q (B,H,Nq,D), k/v (B,Hkv,Nk,D) -> (B,Nq,H,D)."""
+    if dropout:
+        raise ValueError(f"longheads: attention dropout={dropout} is not supported; LongHeads is an inference method")
+    if attention_mask is not None and attention_mask.dim() == 2:
+        real = attention_mask.bool()
+        if bool((real[:, 1:] & ~real[:, :-1]).any()):
+            raise ValueError("longheads supports right padding only (a real token follows padding); set tokenizer.padding_side='right'")
+    config = module.config
+    k_chunks = pattern.window(pattern.pretraining_length or rope.original_context(config))
+    inv_freq = rope_inv_freq(config).to(query.device)  # cheap; never stale after a RoPE change
+    reps = _update_state(module, query, key, value, pattern.chunk_size, inv_freq)
+    scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
+    out = attend(query, key, value, reps, pattern.chunk_size, k_chunks, inv_freq, scale, pattern.keep_previous)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _update_state(module, query, key, value, l: int, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Representations (B,H,M,D) of every complete chunk of the ``Nk`` tokens, reusing those
+    computed at earlier calls of the same sequence."""
+    nq, nk = query.shape[2], key.shape[2]
+    start = nk - nq
+    state = getattr(module, _STATE_ATTR, None)
+    if start == 0:  # a new sequence
+        state = {"tokens": 0, "reps": query.new_zeros(*query.shape[:2], 0, query.shape[-1], dtype=torch.float32),
+                 "pending": query[:, :, :0]}
+    elif state is None or state["tokens"] != start or state["reps"].shape[0] != query.shape[0]:
+        seen = None if state is None else state["tokens"]
+        raise ValueError(
+            f"longheads: the cache holds {start} tokens but this layer's state saw {seen}; LongHeads decodes "
+            "one sequence forward from its own prefill (no cache reuse, reordering or beam search)"
+        )
+    done = state["reps"].shape[2]
+    queries = torch.cat((state["pending"], query), dim=2)  # positions done·l .. nk-1
+    complete = nk // l
+    if complete > done:
+        span = slice(done * l, complete * l)
+        new = chunk_representations(queries[:, :, : (complete - done) * l], key[:, :, span], value[:, :, span], l, done, inv_freq)
+        state["reps"] = torch.cat((state["reps"], new), dim=2)
+    state["pending"] = queries[:, :, (complete - done) * l :]
+    state["tokens"] = nk
+    setattr(module, _STATE_ATTR, state)
+    return state["reps"]

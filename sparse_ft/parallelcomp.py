@@ -1,0 +1,296 @@
+"""ParallelComp (Xiong et al., 2025): answer a query over a context longer than the model's
+pretraining length by encoding context chunks in parallel and attending over the best few.
+
+Why a query is needed: chunks are ranked by how well each one predicts the query, the
+self-information ``I_c = -log P(query | chunk)`` (paper eq. 3). So the method answers
+questions (passkey, QA); it assigns no probability to the context itself and has no
+standard perplexity (``PPL_UNSUPPORTED``).
+
+Steps (paper §3.1), all through transformers' own forward and KV cache:
+
+1. split the context into chunks of ``chunk_size`` tokens (default: pretraining length minus
+   the query, so that chunk + query fits: paper App. C);
+2. encode ``batch_chunks`` chunks at a time as ``[chunk, query]`` rows (left padded), each at
+   positions 0.. (positions are reused, never extrapolated);
+3. score each chunk by I_c and keep the ``keep_chunks`` lowest in a fixed-size heap, streaming
+   over batches so at most ``keep_chunks + batch_chunks`` chunks' KV exist at once;
+4. optionally evict KV inside each chunk by the cumulative attention the last
+   ``score_window`` query tokens pay to it (eq. 5): keep the ``kv_budget`` highest
+   (compression), and/or drop tokens whose attention exceeds ``calibration_threshold`` in the
+   sink / middle / recency region chosen per layer depth (calibration, eq. 7);
+5. the query attends to the kept chunks' KV concatenated in original order (eq. 8–10),
+   placed after the longest kept chunk; then greedy decoding continues on that cache.
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from attn_patterns import Pattern
+from sparse_ft import rope
+from sparse_ft.attention import current_pattern, use_attention
+
+PPL_UNSUPPORTED = (
+    "ParallelComp ranks context chunks by the self-information of a query (-log P(query | chunk)); "
+    "it scores a question, not the context, so it has no standard perplexity. "
+    "Use `eval passkey --method parallelcomp`"
+)
+
+# Paper App. C (Llama-2, 32 layers): layers 1-8 evict middle-bias tokens, 9-16 recency-bias,
+# 25-32 sink-bias; as fractions of depth so it applies to any layer count.
+PAPER_CALIBRATION_LAYERS: dict[str, tuple[float, float]] = {"middle": (0.0, 0.25), "recency": (0.25, 0.5), "sink": (0.75, 1.0)}
+
+
+@dataclass
+class ParallelCompConfig:
+    """Defaults are the paper's (App. C) where it gives one."""
+
+    chunk_size: Optional[int] = None  # tokens per chunk; None: pretraining length - query length
+    keep_chunks: int = 3  # priority-queue size K (LongBench 3; InfiniteBench retrieval 1)
+    batch_chunks: int = 4  # chunks encoded in one forward (memory knob; the paper runs 20 + 3)
+    kv_budget: Optional[int] = None  # parallel KV eviction: tokens kept per chunk (paper: 2000); None = off
+    score_window: int = 8  # last query tokens whose attention is accumulated (paper: 8)
+    calibration_threshold: Optional[float] = None  # λ on mean attention probability; None = off
+    bias_window: int = 200  # sink = first, recency = last tokens of a chunk (paper: 200)
+    calibration_layers: dict[str, tuple[float, float]] = field(default_factory=lambda: dict(PAPER_CALIBRATION_LAYERS))
+    pretraining_length: Optional[int] = None  # None: the model's original context
+
+    def __post_init__(self) -> None:
+        for name in ("keep_chunks", "batch_chunks", "score_window", "bias_window"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"parallelcomp: {name}={value!r} must be an integer >= 1")
+        for name in ("chunk_size", "kv_budget", "pretraining_length"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"parallelcomp: {name}={value!r} must be an integer >= 1 or None")
+        if self.calibration_threshold is not None and not self.calibration_threshold > 0:
+            raise ValueError(f"parallelcomp: calibration_threshold={self.calibration_threshold!r} must be > 0 or None")
+        unknown = sorted(set(self.calibration_layers) - {"sink", "middle", "recency"})
+        if unknown:
+            raise ValueError(f"parallelcomp: calibration_layers has {unknown}; allowed regions: sink, middle, recency")
+
+
+# --- pieces with one job each (tested on their own) ----------------------------------------
+def split_chunks(n: int, chunk_size: int) -> list[tuple[int, int]]:
+    """``[start, end)`` spans covering ``0..n`` exactly, in order, each at most ``chunk_size``."""
+    return [(s, min(s + chunk_size, n)) for s in range(0, n, chunk_size)]
+
+
+def keep_lowest(scored: Iterable[tuple[float, int, Any]], k: int) -> list[tuple[float, int, Any]]:
+    """The ``k`` items with the lowest score from a stream of ``(score, index, payload)``,
+    holding at most ``k`` at a time: a heap whose root is the worst kept item (highest
+    score; on ties the later index). Returned in index order, the chunks' context order."""
+    heap: list[tuple[float, int, Any]] = []  # (-score, -index, payload); indices are distinct
+    for score, index, payload in scored:
+        item = (-float(score), -index, payload)
+        if len(heap) < k:
+            heapq.heappush(heap, item)
+        elif item[:2] > heap[0][:2]:  # lower score, or the same score and an earlier index
+            heapq.heapreplace(heap, item)
+    return sorted(((-s, -i, p) for s, i, p in heap), key=lambda t: t[1])
+
+
+def region_of(layer: int, num_layers: int, layers: dict[str, tuple[float, float]]) -> Optional[str]:
+    depth = layer / num_layers
+    for region, (lo, hi) in layers.items():
+        if lo <= depth < hi or (hi >= 1.0 and depth >= lo):
+            return region
+    return None
+
+
+def evict(
+    attention: torch.Tensor, kv_budget: Optional[int], threshold: Optional[float], region: Optional[str], bias_window: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which tokens of one chunk one layer keeps, per KV head, from their cumulative
+    attention (Hkv, n): ``index`` (Hkv, n') of the tokens kept by compression (the
+    ``kv_budget`` highest, in position order: gathered, so memory shrinks) and ``keep``
+    (Hkv, n') False where calibration evicts (a count that differs per head: masked)."""
+    hkv, n = attention.shape
+    pos = torch.arange(n, device=attention.device)
+    keep = torch.ones(hkv, n, dtype=torch.bool, device=attention.device)
+    if threshold is not None and region is not None:  # calibration: drop the bias tokens
+        sink, recency = pos < bias_window, pos >= n - bias_window
+        where = {"sink": sink, "recency": recency, "middle": ~sink & ~recency}[region]
+        keep &= ~(where & (attention > threshold))
+    index = pos.expand(hkv, n)
+    if kv_budget is not None and n > kv_budget:  # compression: drop the low-attention tokens
+        index = attention.topk(kv_budget, dim=-1).indices.sort(dim=-1).values
+        keep = keep.gather(1, index)
+    return index, keep
+
+
+# --- the attention the model runs with while ParallelComp drives it ------------------------
+class _ParallelCompAttention(Pattern):
+    """``encode``: causal attention over left-padded ``[chunk, query]`` rows that also records
+    the mean attention probability the last ``score_window`` rows pay each key (eq. 5).
+    ``global``: the query and generated tokens attend to the kept chunks' KV except evicted
+    tokens (per KV head), then causally to themselves."""
+
+    name = "parallelcomp"
+
+    def __init__(self, score_window: int) -> None:
+        super().__init__(score_window=score_window)
+        self.score_window = score_window
+        self.mode = "encode"
+        self.recorded: dict[int, torch.Tensor] = {}
+        self.keep: dict[int, torch.Tensor] = {}  # layer -> (Hkv, S) over the kept chunks' tokens
+
+    def attend_hf(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        b, h, nq, d = query.shape
+        hkv, nk = key.shape[1], key.shape[2]
+        scale = scaling if scaling is not None else d**-0.5
+        rows = torch.arange(nk - nq, nk, device=query.device)
+        cols = torch.arange(nk, device=query.device)
+        visible = (cols[None, :] <= rows[:, None]).expand(b, hkv, nq, nk)
+        if self.mode == "encode":
+            if attention_mask is not None:  # left padding: pads see only themselves
+                real = attention_mask[:, -nk:].bool()[:, None, None, :]
+                visible = visible & real | (cols[None, :] == rows[:, None])
+        else:
+            keep = self.keep[module.layer_idx]
+            kept = torch.ones(b, hkv, nk, dtype=torch.bool, device=query.device)
+            kept[:, :, : keep.shape[-1]] = keep
+            visible = visible & kept[:, :, None, :]
+        groups = h // hkv
+        mask = visible.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(
+            query, key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1), attn_mask=mask, scale=scale
+        )
+        if self.mode == "encode":
+            last = min(self.score_window, nq)
+            scores = torch.einsum("bhid,bhjd->bhij", query[:, :, -last:].float(), key.float().repeat_interleave(groups, 1)) * scale
+            probs = scores.masked_fill(~mask[:, :, -last:], float("-inf")).softmax(-1)
+            self.recorded[module.layer_idx] = probs.mean(2).unflatten(1, (hkv, groups)).mean(2)  # (B,Hkv,Nk)
+        return out.transpose(1, 2).contiguous(), None
+
+
+# --- the method ------------------------------------------------------------------------------
+def _device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _base(model):
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _encode(model, attn, spans, context, question, cfg, num_layers):
+    """One parallel forward over ``[chunk, query]`` rows: per chunk its self-information and
+    its per-layer (keys, values, keep mask) restricted to the chunk's tokens."""
+    dev = _device(model)
+    wq = len(question)
+    width = max(e - s for s, e in spans) + wq
+    ids = torch.zeros(len(spans), width, dtype=torch.long, device=dev)
+    mask = torch.zeros_like(ids)
+    for row, (s, e) in enumerate(spans):
+        ids[row, width - wq - (e - s) :] = torch.cat((context[s:e], question))
+        mask[row, width - wq - (e - s) :] = 1
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    attn.mode, attn.recorded = "encode", {}
+    out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True, logits_to_keep=wq + 1)
+    logp = out.logits[:, :-1].float().log_softmax(-1)  # predicts the wq query tokens
+    info = -logp.gather(-1, question.expand(len(spans), wq).unsqueeze(-1)).squeeze(-1).sum(-1)
+    cache = out.past_key_values
+    results = []
+    for row, (s, e) in enumerate(spans):
+        first, last = width - wq - (e - s), width - wq
+        layers = []
+        for layer in range(num_layers):
+            k, v = _layer_kv(cache, layer)
+            attention = attn.recorded[layer][row, :, first:last]
+            region = region_of(layer, num_layers, cfg.calibration_layers)
+            index, keep = evict(attention, cfg.kv_budget, cfg.calibration_threshold, region, cfg.bias_window)
+            index = index.unsqueeze(-1).expand(-1, -1, k.shape[-1])
+            layers.append((k[row, :, first:last].gather(1, index), v[row, :, first:last].gather(1, index), keep))
+        results.append((float(info[row]), e - s, layers))
+    return results
+
+
+def _layer_kv(cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if hasattr(cache, "layers"):  # transformers >= 4.56
+        return cache.layers[layer].keys, cache.layers[layer].values
+    return cache.key_cache[layer], cache.value_cache[layer]
+
+
+def select(model, context_ids: Sequence[int], question_ids: Sequence[int], cfg: ParallelCompConfig, attn) -> list[tuple[float, int, Any]]:
+    """Steps 1–4: the kept chunks as ``(self_information, chunk_index, (length, layers))``."""
+    dev = _device(model)
+    context = torch.as_tensor(list(context_ids), dtype=torch.long, device=dev)
+    question = torch.as_tensor(list(question_ids), dtype=torch.long, device=dev)
+    config = _base(model).config
+    pretraining = cfg.pretraining_length or rope.original_context(config)
+    size = cfg.chunk_size or pretraining - len(question)
+    if size < 1 or size + len(question) > pretraining:
+        raise ValueError(
+            f"parallelcomp: chunk_size={size} + question length {len(question)} must fit pretraining_length={pretraining}"
+        )
+    if len(context) == 0:
+        raise ValueError("parallelcomp: context_ids is empty; there is nothing to select from")
+    spans = split_chunks(len(context), size)
+    num_layers = config.num_hidden_layers
+
+    def stream():
+        for lo in range(0, len(spans), cfg.batch_chunks):
+            for offset, (info, length, layers) in enumerate(_encode(model, attn, spans[lo : lo + cfg.batch_chunks], context, question, cfg, num_layers)):
+                yield info, lo + offset, (length, layers)
+
+    return keep_lowest(stream(), cfg.keep_chunks)
+
+
+def generate(
+    model, tokenizer, context_ids: Sequence[int], question_ids: Sequence[int], max_new_tokens: int, **params: Any
+) -> list[int]:
+    """Greedy answer to ``question_ids`` about ``context_ids`` (one sequence); returns the new
+    token ids. ``params`` are :class:`ParallelCompConfig` fields."""
+    from transformers import DynamicCache
+
+    cfg = params.pop("config", None) or ParallelCompConfig(**params)
+    if len(question_ids) == 0:
+        raise ValueError("parallelcomp: question_ids is empty; the method ranks chunks by the query, so it needs one")
+    previous = current_pattern(model)
+    attn = _ParallelCompAttention(cfg.score_window)
+    use_attention(model, attn)
+    try:
+        kept = select(model, context_ids, question_ids, cfg, attn)
+        num_layers = _base(model).config.num_hidden_layers
+        cache = DynamicCache()
+        for layer in range(num_layers):
+            keys = torch.cat([layers[layer][0] for _, _, (_, layers) in kept], dim=1)[None]
+            values = torch.cat([layers[layer][1] for _, _, (_, layers) in kept], dim=1)[None]
+            attn.keep[layer] = torch.cat([layers[layer][2] for _, _, (_, layers) in kept], dim=1)[None]
+            cache.update(keys, values, layer)
+        start = max(length for _, _, (length, _) in kept)  # the query follows the longest kept chunk
+        attn.mode = "global"
+        dev = _device(model)
+        ids = torch.as_tensor([list(question_ids)], dtype=torch.long, device=dev)
+        eos = tokenizer.eos_token_id if tokenizer is not None else None
+        new: list[int] = []
+        for _ in range(max_new_tokens):
+            positions = torch.arange(start, start + ids.shape[1], device=dev)[None]
+            out = model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            token = int(out.logits[0, -1].argmax())
+            new.append(token)
+            if token == eos:
+                break
+            cache, start, ids = out.past_key_values, start + ids.shape[1], torch.tensor([[token]], device=dev)
+        return new
+    finally:
+        use_attention(model, previous if previous is not None else "full")
+
+
+def method(**params: Any):
+    """``--method parallelcomp`` for ``sparse-ft eval``: passkey answers through
+    :func:`generate`; ``eval ppl`` refuses with :data:`PPL_UNSUPPORTED`."""
+    from sparse_ft.evaluation.methods import Method
+
+    cfg = ParallelCompConfig(**params)
+    chosen = Method()
+    chosen.name, chosen.supports_ppl, chosen.why_no_ppl = "parallelcomp", False, PPL_UNSUPPORTED
+    chosen.generate = functools.partial(generate, config=cfg)
+    return chosen

@@ -1,0 +1,240 @@
+"""``sparse-ft pretrain``: the tiny RoPE base model the built-in experiment extends.
+
+A small Llama (8 heads, so every pattern applies) trained from scratch at a short context
+on the stdlib + passkey corpus (``data/build_corpus.py``), on a CPU, with plain torch AdamW
+and a cosine schedule: nothing here is meant to be a general trainer (that is train.py),
+only a reproducible way to re-derive the committed ``assets/tiny-base`` checkpoint.
+It finishes by measuring what the experiment relies on: validation perplexity and passkey
+retrieval inside the window, both through ``sparse_ft.evaluation``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+ASSET_DIR = Path(__file__).resolve().parent.parent / "assets" / "tiny-base"
+CORPUS_DIR = Path("data/corpus/ctx256")
+SAVE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class PretrainConfig:
+    """Defaults: the committed checkpoint (sized for ~25 minutes on 2 busy CPU cores)."""
+
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 4
+    context: int = 256
+    steps: int = 900
+    batch_size: int = 8
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 50
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    seed: int = 0
+    save_dtype: str = "float32"
+    log_every: int = 10
+    eval_windows: int = 200  # validation windows of `context` tokens for the final PPL
+    passkey_trials: int = 20  # per needle depth at the full window
+    passkey_depths: list[float] = field(default_factory=lambda: [0.0, 0.5, 1.0])
+
+    def validate(self) -> None:
+        if self.save_dtype not in SAVE_DTYPES:
+            raise ValueError(f"save_dtype={self.save_dtype!r} is unknown; allowed: {', '.join(SAVE_DTYPES)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads={self.num_attention_heads} must be a multiple of "
+                             f"num_key_value_heads={self.num_key_value_heads}")
+        for key in ("steps", "batch_size", "context", "log_every"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key}={getattr(self, key)} must be >= 1")
+
+
+def model_config(cfg: PretrainConfig):
+    from sparse_ft.tiny import tiny_llama_config
+
+    return tiny_llama_config(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                             num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+                             num_key_value_heads=cfg.num_key_value_heads, max_position_embeddings=cfg.context)
+
+
+def lr_at(step: int, cfg: PretrainConfig) -> float:
+    """Linear warmup, then cosine down to ``min_lr_ratio`` of the peak."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def _optimizer(model: torch.nn.Module, cfg: PretrainConfig) -> torch.optim.Optimizer:
+    # no decay on norms (1-D weights), as usual for transformers
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}],
+                             lr=cfg.lr, betas=(0.9, 0.95))
+
+
+def train(cfg: PretrainConfig, blocks: np.ndarray, progress: bool = True,
+          init_from: Optional[Path] = None) -> tuple[torch.nn.Module, dict]:
+    """Train on ``blocks`` (blocks, context) of token ids a fresh model, or continue from the
+    checkpoint ``init_from`` (a second phase, e.g. on a passkey-richer corpus); returns (model, stats)."""
+    from transformers import LlamaForCausalLM
+
+    cfg.validate()
+    if blocks.shape[1] != cfg.context:
+        raise ValueError(f"the corpus has blocks of {blocks.shape[1]} tokens but context={cfg.context}")
+    torch.manual_seed(cfg.seed)
+    if init_from is None:
+        model = LlamaForCausalLM(model_config(cfg)).train()
+    else:
+        model = LlamaForCausalLM.from_pretrained(init_from, dtype=torch.float32).train()
+    opt = _optimizer(model, cfg)
+    order = torch.Generator().manual_seed(cfg.seed)
+    perm = torch.randperm(len(blocks), generator=order)
+    cursor, epochs = 0, 0
+    curve, window = [], []
+    began = time.perf_counter()
+    bar = tqdm(range(cfg.steps), desc="pretrain", unit="step", disable=not progress)
+    for step in bar:
+        if cursor + cfg.batch_size > len(perm):
+            perm, cursor, epochs = torch.randperm(len(blocks), generator=order), 0, epochs + 1
+        index = np.sort(perm[cursor : cursor + cfg.batch_size].numpy())
+        cursor += cfg.batch_size
+        ids = torch.from_numpy(np.asarray(blocks[index], dtype=np.int64))
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        window.append(loss.item())
+        if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
+            curve.append({"step": step + 1, "loss": sum(window) / len(window), "lr": lr_at(step, cfg)})
+            bar.set_postfix(loss=f"{curve[-1]['loss']:.3f}")
+            window = []
+    seconds = time.perf_counter() - began
+    stats = {"steps": cfg.steps, "tokens": cfg.steps * cfg.batch_size * cfg.context, "epochs_completed": epochs,
+             "corpus_blocks": int(len(blocks)), "final_loss": curve[-1]["loss"], "train_seconds": seconds,
+             "tokens_per_second": cfg.steps * cfg.batch_size * cfg.context / seconds, "loss_curve": curve,
+             "parameters": sum(p.numel() for p in model.parameters())}
+    return model.eval(), stats
+
+
+def evaluate(model, tokenizer, val_tokens: np.ndarray, cfg: PretrainConfig) -> dict:
+    """Validation PPL at the training context and passkey accuracy at the full window, through
+    the project's evaluator so the numbers match ``sparse-ft eval``."""
+    from sparse_ft.evaluation import methods, passkey, ppl
+
+    full = methods.get("full")
+    result = ppl.evaluate_length(model, val_tokens, cfg.context, cfg.context, "standard", full, batch_size=8,
+                                 max_windows=cfg.eval_windows)
+    out = {"val_ppl": result["ppl"], "val_tokens_scored": result["tokens"]}
+    if cfg.passkey_trials:
+        # at `context` the answer is decoded just past the window; at `context - 8` it lies inside
+        lengths = [cfg.context - 8, cfg.context]
+        cells = passkey.evaluate(model, tokenizer, lengths, cfg.passkey_depths, cfg.passkey_trials, full, seed=cfg.seed)
+        out["passkey"] = cells
+        out["passkey_accuracy"] = {n: sum(c["accuracy"] for c in cells if c["length"] == n) / len(cfg.passkey_depths)
+                                   for n in lengths}
+    return out
+
+
+def machine() -> dict:
+    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
+            "torch": torch.__version__}
+
+
+def save(model, tokenizer, stats: dict, output: Path, save_dtype: str) -> Path:
+    """Written to a temporary directory and renamed: an interrupted save leaves the old one."""
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output.with_name(output.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.to(SAVE_DTYPES[save_dtype]).save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "pretrain_stats.json").write_text(json.dumps(stats, indent=1))
+    if output.exists():
+        shutil.rmtree(output)
+    os.replace(tmp, output)
+    return output
+
+
+def pretrain(cfg: PretrainConfig, corpus: Path = CORPUS_DIR, output: Path = ASSET_DIR, progress: bool = True,
+             init_from: Optional[Path] = None, passkey_fraction: float = 0.3, max_blocks: Optional[int] = None) -> dict:
+    """Build the corpus if missing, train, evaluate, save; returns the stats written (with the
+    stats of ``init_from``'s training under ``previous_phase``)."""
+    from sparse_ft.data.corpus import build_corpus, load_blocks
+    from sparse_ft.evaluation.tokens import load_tokens
+    from sparse_ft.tiny import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    corpus = Path(corpus)
+    if not (corpus / "corpus.json").exists():
+        print(f"building the corpus in {corpus} (data/build_corpus.py)")
+        build_corpus(corpus, tokenizer, context=cfg.context, seed=cfg.seed, passkey_fraction=passkey_fraction,
+                     max_blocks=max_blocks)
+    previous = None
+    if init_from is not None:
+        stats_file = Path(init_from) / "pretrain_stats.json"
+        previous = json.loads(stats_file.read_text()) if stats_file.is_file() else {"checkpoint": str(init_from)}
+    began = time.perf_counter()
+    model, stats = train(cfg, load_blocks(corpus), progress, init_from)
+    if previous is not None:
+        stats["previous_phase"] = previous
+    val = load_tokens(str(corpus / "val.bin"), tokenizer, model.config.vocab_size)
+    stats["evaluation"] = evaluate(model, tokenizer, val, cfg)
+    stats.update(config=asdict(cfg), corpus=json.loads((corpus / "corpus.json").read_text()), machine=machine(),
+                 wall_seconds=time.perf_counter() - began, saved_dtype=cfg.save_dtype)
+    save(model, tokenizer, stats, output, cfg.save_dtype)
+    return stats
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("pretrain", help="pretrain the tiny RoPE base model of the built-in experiment")
+    defaults = PretrainConfig()
+    p.add_argument("--corpus", type=Path, default=CORPUS_DIR, help="built here by data/build_corpus.py if missing")
+    p.add_argument("--output", type=Path, default=ASSET_DIR)
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "context", "steps", "batch_size", "warmup_steps", "seed", "passkey_trials", "eval_windows"):
+        p.add_argument("--" + key.replace("_", "-"), type=int, default=getattr(defaults, key))
+    p.add_argument("--lr", type=float, default=defaults.lr)
+    p.add_argument("--save-dtype", default=defaults.save_dtype, choices=list(SAVE_DTYPES))
+    p.add_argument("--init-from", type=Path, default=None, help="continue from this checkpoint (a second phase)")
+    p.add_argument("--passkey-fraction", type=float, default=0.3, help="when the corpus is built here")
+    p.add_argument("--max-blocks", type=int, default=None, help="when the corpus is built here: stop after N blocks")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (1 is much faster when other jobs share the cores)")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads {args.threads} must be >= 1")
+        torch.set_num_threads(args.threads)
+    keys = PretrainConfig.__dataclass_fields__
+    cfg = PretrainConfig(**{k: v for k, v in vars(args).items() if k in keys})
+    stats = pretrain(cfg, args.corpus, args.output, init_from=args.init_from, passkey_fraction=args.passkey_fraction,
+                     max_blocks=args.max_blocks)
+    ev = stats["evaluation"]
+    print(f"{stats['tokens']} tokens, {stats['steps']} steps in {stats['train_seconds']:.0f} s; final loss "
+          f"{stats['final_loss']:.3f}; val PPL@{cfg.context} {ev['val_ppl']:.3f}; passkey accuracy "
+          + ", ".join(f"@{n}: {acc:.2f}" for n, acc in ev.get("passkey_accuracy", {}).items()))
+    print(f"wrote {args.output}")
+    return 0

@@ -1,0 +1,331 @@
+"""Dual Chunk Attention: positions as the paper's eqs. 2–8, the three-piece kernel against a
+dense reference built from those positions, and the transformers path (prefill, KV-cache
+decoding, padding, GQA, RoPE scaling) against the same reference inside a tiny Llama."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import attn_patterns
+import attn_patterns.dca  # noqa: F401  (registers "dca")
+from attn_patterns import Pattern
+from attn_patterns.dca import default_inv_freq, dca_attention, rotate
+from sparse_ft.attention import use_attention
+from sparse_ft.tiny import tiny_llama
+
+# --- reference ------------------------------------------------------------------------------
+
+
+def rotate_at(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """x (..., D) rotated by RoPE at ``positions`` (broadcastable to x.shape[:-1]), fp64."""
+    angle = positions.double()[..., None] * inv_freq.double()
+    cos, sin = torch.cat((angle.cos(),) * 2, -1), torch.cat((angle.sin(),) * 2, -1)
+    x = x.double()
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
+
+
+def reference(q, k, v, rel: torch.Tensor, inv_freq: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """Dense DCA from the relative-position matrix: logit(i, j) = <R(M[i][j]) q_i, k_j> for
+    RoPE-free q (B,H,N,D), k/v (B,Hkv,N,D); fp64; causal."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = (x.repeat_interleave(groups, dim=1).double() for x in (k, v))
+    n = q.shape[2]
+    q_pairs = rotate_at(q[:, :, :, None, :], rel.clamp(min=0), inv_freq)  # (B,H,N,N,D)
+    scores = (q_pairs * k[:, :, None, :, :]).sum(-1) * (scale or 1 / math.sqrt(q.shape[-1]))
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    weights = torch.softmax(scores.masked_fill(~causal, float("-inf")), -1)
+    return weights @ v
+
+
+def qkv(b=2, h=4, hkv=2, n=23, d=16, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(b, x, n, d, generator=g).to(dtype) for x in (h, hkv, hkv)]
+
+
+# --- positions --------------------------------------------------------------------------------
+
+
+def test_relative_positions_figure_2():
+    """The paper's Figure 2: s = 6, c = 10, w = 4, 12 tokens."""
+    rel = attn_patterns.get("dca", chunk_size=6, local_window=4, pretraining_length=10).relative_positions(12)
+    assert rel[:6, :6].tolist() == torch.tensor([[i - j if j <= i else -1 for j in range(6)] for i in range(6)]).tolist()
+    assert rel[6:10, :].max() <= 9
+    assert rel[6].tolist()[:7] == [6, 5, 4, 3, 2, 1, 0]  # a = 0 < w: true distances
+    assert rel[10].tolist()[:6] == [9, 8, 7, 6, 5, 4]  # a = 4 >= w: query at c - 1
+    assert rel[11].tolist() == [9, 8, 7, 6, 5, 4, 5, 4, 3, 2, 1, 0]
+    above = torch.ones(12, 12, dtype=torch.bool).triu(1)
+    assert (rel[above] == -1).all() and rel.max() == 9
+
+
+def test_relative_positions_equations():
+    s, w, c, n = 5, 3, 9, 31
+    rel = attn_patterns.get("dca", chunk_size=s, local_window=w, pretraining_length=c).relative_positions(n)
+    for i in range(n):
+        for j in range(n):
+            d, a, b = i // s - j // s, i % s, j % s
+            want = -1 if j > i else a - b if d == 0 else ((s + a if a < w else c - 1) - b) if d == 1 else c - 1 - b
+            assert rel[i, j] == want, (i, j)
+    assert rel.max() < c
+
+
+def test_defaults_follow_the_paper():
+    p = attn_patterns.get("dca", pretraining_length=4096)
+    assert p.sizes() == (3072, 1024, 4096)
+    assert attn_patterns.get("dca").sizes(256) == (192, 64, 256)
+
+
+@pytest.mark.parametrize(
+    "params, words",
+    [
+        (dict(chunk_size=0, pretraining_length=8), "chunk_size=0"),
+        (dict(chunk_size=8, pretraining_length=8), "chunk_size=8"),
+        (dict(chunk_size=6, local_window=3, pretraining_length=8), "local_window=3"),
+        (dict(local_window=-1), "local_window=-1"),
+        (dict(pretraining_length=1.5), "pretraining_length=1.5"),
+        (dict(variant="chunky"), "variant='chunky'"),
+        (dict(variant="chunkllama", chunk_size=4, local_window=4, pretraining_length=8), "local_window=4"),
+    ],
+)
+def test_parameters_are_validated(params, words):
+    with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(".", r"\.")):
+        attn_patterns.get("dca", **params)
+
+
+def test_mask_is_causal():
+    mask = attn_patterns.get("dca", pretraining_length=8).mask(10, 2)
+    assert torch.equal(mask, torch.ones(2, 10, 10, dtype=torch.bool).tril().expand(2, 10, 10))
+
+
+# --- the kernel -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "math"])
+@pytest.mark.parametrize("n", [5, 12, 23, 40])
+def test_kernel_matches_reference(backend, n):
+    """GQA (4 heads on 2), lengths inside one chunk, at a boundary and over many chunks."""
+    s, w, c = 6, 3, 10
+    q, k, v = qkv(n=n)
+    p = attn_patterns.get("dca", chunk_size=s, local_window=w, pretraining_length=c)
+    out = p(q, k, v, backend=backend)
+    want = reference(q, k, v, p.relative_positions(n), default_inv_freq(16))
+    torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("w", [2, 4])
+def test_chunkllama_variant_matches_its_positions(w):
+    """The authors' code: chunks of L = s - w tokens, successive queries at min(a + L, s),
+    inter-chunk queries at min(2L - 1, s) (w = 4: L = 2, inter-chunk differs from successive)."""
+    s, n = 6, 30
+    L = s - w
+    p = attn_patterns.get("dca", chunk_size=s, local_window=w, pretraining_length=10, variant="chunkllama")
+    rel = p.relative_positions(n)
+    assert rel.max() <= s  # the authors' code clamps at the chunk size
+    i = 4 * L + L - 1  # last row of chunk 4
+    assert rel[i, 3 * L] == min(i % L + L, s) and rel[i, 0] == min(2 * L - 1, s)
+    q, k, v = qkv(n=30)
+    torch.testing.assert_close(p(q, k, v).double(), reference(q, k, v, rel, default_inv_freq(16)), atol=2e-5, rtol=1e-4)
+
+
+def test_kernel_on_rotated_inputs_and_decoding():
+    """q/k rotated at their true positions (what transformers passes) give the reference,
+    and the last rows computed alone against the full cache equal the prefill's rows."""
+    s, w, c, n = 6, 3, 10, 29
+    q, k, v = qkv(n=n)
+    inv = default_inv_freq(16)
+    pos = torch.arange(n)
+    q_rot, k_rot = rotate(q, pos, inv), rotate(k, pos, inv)
+    rel = attn_patterns.get("dca", chunk_size=s, local_window=w, pretraining_length=c).relative_positions(n)
+    full = dca_attention(q_rot, k_rot, v, inv, s, w, c)
+    torch.testing.assert_close(full.double(), reference(q, k, v, rel, inv), atol=2e-5, rtol=1e-4)
+    for tail in (1, 4, 13):
+        for backend in ("sdpa", "math"):
+            part = dca_attention(q_rot[:, :, -tail:], k_rot, v, inv, s, w, c, backend=backend)
+            torch.testing.assert_close(part, full[:, :, -tail:], atol=2e-5, rtol=1e-4)
+
+
+def test_rotate_is_exact_at_long_distances():
+    x = torch.randn(1, 1, 3, 16, dtype=torch.float64)
+    shift = torch.tensor([0, 40_000, -123_457])
+    inv = default_inv_freq(16)
+    torch.testing.assert_close(rotate(x.float(), shift, inv).double(), rotate_at(x, shift.view(1, 1, 3), inv), atol=1e-5, rtol=0)
+
+
+def test_future_tokens_never_leak():
+    q, k, v = qkv(n=30)
+    p = attn_patterns.get("dca", chunk_size=6, local_window=3, pretraining_length=10)
+    before = p(q, k, v)
+    t = 17
+    for x in (q, k, v):
+        x[:, :, t + 1 :] = torch.randn_like(x[:, :, t + 1 :]) * 3
+    after = p(q, k, v)
+    torch.testing.assert_close(after[:, :, : t + 1], before[:, :, : t + 1], atol=1e-6, rtol=0)
+
+
+def test_gradients_flow_through_the_math_path():
+    q, k, v = (x.requires_grad_() for x in qkv(n=14))
+    p = attn_patterns.get("dca", chunk_size=4, local_window=2, pretraining_length=7)
+    p(q, k, v).square().sum().backward()
+    want_q = torch.autograd.grad(reference(q, k, v, p.relative_positions(14), default_inv_freq(16)).square().sum(), q)[0]
+    torch.testing.assert_close(q.grad.double(), want_q.double(), atol=1e-4, rtol=1e-3)
+
+
+# --- inside a transformers model -------------------------------------------------------------
+
+
+class DenseDCA(Pattern):
+    """Reference attention function for a model: un-rotates q, k with the model's OWN rotary
+    module (not DCA's frequency lookup), then dense attention from ``relative_positions``."""
+
+    name = "dense_dca"
+
+    def __init__(self, dca: Pattern, rotary: torch.nn.Module) -> None:
+        super().__init__()
+        self.dca, self.rotary = dca, rotary
+
+    def attend_hf(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        nk = key.shape[2]
+        start = nk - query.shape[2]
+        cos, sin = (x[0].double() for x in self.rotary(key, torch.arange(nk)[None]))  # (Nk, D), carries YaRN's factor
+        factor = float(self.rotary.attention_scaling)
+
+        def unrotate(x, rows):
+            x = x.double()
+            half = x.shape[-1] // 2
+            back = torch.cat((x[..., half:], -x[..., :half]), -1)  # rotate_half inverse
+            return (x * cos[rows] + back * sin[rows]) / factor**2
+
+        q_raw, k_raw = unrotate(query, slice(start, nk)), unrotate(key, slice(0, nk))
+        rel = self.dca.relative_positions(nk, module.config.max_position_embeddings)[start:]
+        positions = rel.clamp(min=0)
+        cos_p, sin_p = (x.double().view(*positions.shape, -1) for x in self.rotary(key, positions.reshape(1, -1)))
+        groups = query.shape[1] // key.shape[1]
+        k_raw, v = k_raw.repeat_interleave(groups, 1), value.double().repeat_interleave(groups, 1)
+        half = q_raw.shape[-1] // 2
+        qp = q_raw[:, :, :, None, :]
+        q_pairs = qp * cos_p + torch.cat((-qp[..., half:], qp[..., :half]), -1) * sin_p
+        scores = (q_pairs * k_raw[:, :, None, :, :]).sum(-1) * scaling * factor  # k at position 0 keeps one factor
+        causal = torch.arange(nk)[None, :] <= torch.arange(start, nk)[:, None]
+        weights = torch.softmax(scores.masked_fill(~causal, float("-inf")), -1)
+        return (weights @ v).to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+ROPES = {
+    "default": {},
+    "linear": {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}},
+    "yarn": {"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 10000.0,
+                                 "original_max_position_embeddings": 128}},
+}
+
+
+def _logits(model, ids, **kw):
+    with torch.no_grad():
+        return model(input_ids=ids, **kw).logits.double()
+
+
+@pytest.mark.parametrize("rope", sorted(ROPES))
+def test_model_matches_dense_reference(rope):
+    """A tiny GQA Llama (c = 64 -> s = 48, w = 16) over 150 tokens: 4 chunks, on top of
+    the model's own RoPE scaling."""
+    model = tiny_llama(max_position_embeddings=64, **ROPES[rope])
+    ids = torch.randint(3, 300, (1, 150), generator=torch.Generator().manual_seed(1))
+    dca = attn_patterns.get("dca")
+    use_attention(model, DenseDCA(dca, model.model.rotary_emb))
+    want = _logits(model, ids)
+    use_attention(model, dca)
+    torch.testing.assert_close(_logits(model, ids), want, atol=1e-4, rtol=1e-4)
+
+
+def test_within_pretraining_length_equals_full_attention():
+    """With w = c - s and s >= c/2 (the defaults), every distance up to c - 1 is the true
+    one: DCA is exactly causal attention for n <= c, and differs from token c + 1 on."""
+    model = tiny_llama(max_position_embeddings=64)
+    ids = torch.randint(3, 300, (2, 70), generator=torch.Generator().manual_seed(2))
+    full = _logits(model, ids)
+    use_attention(model, "dca")
+    torch.testing.assert_close(_logits(model, ids[:, :64]), full[:, :64], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(_logits(model, ids)[:, 64:], full[:, 64:], atol=1e-3)
+
+
+def test_cached_decoding_equals_prefill():
+    from transformers import DynamicCache
+
+    model = tiny_llama(max_position_embeddings=32)  # s = 24, w = 8
+    use_attention(model, "dca")
+    ids = torch.randint(3, 300, (1, 76), generator=torch.Generator().manual_seed(3))
+    full = _logits(model, ids)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        steps = [model(input_ids=ids[:, :40], past_key_values=cache, use_cache=True).logits]
+        steps.append(model(input_ids=ids[:, 40:47], past_key_values=cache, use_cache=True).logits)  # chunked prefill
+        for t in range(47, 76):
+            steps.append(model(input_ids=ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits)
+    torch.testing.assert_close(torch.cat(steps, 1).double(), full, atol=1e-5, rtol=1e-5)
+
+
+def test_generate_with_dca_matches_greedy_prefill():
+    model = tiny_llama(max_position_embeddings=32)
+    use_attention(model, "dca")
+    ids = torch.randint(3, 300, (1, 70), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False, pad_token_id=0)
+    seq = out[:, :70]
+    for _ in range(6):  # re-prefill every step
+        seq = torch.cat((seq, _logits(model, seq)[:, -1:].argmax(-1)), 1)
+    assert torch.equal(out, seq)
+
+
+def test_right_padded_batch_equals_single_sequences():
+    model = tiny_llama(max_position_embeddings=32)
+    use_attention(model, "dca")
+    g = torch.Generator().manual_seed(5)
+    a, b = torch.randint(3, 300, (1, 80), generator=g), torch.randint(3, 300, (1, 57), generator=g)
+    batch = torch.zeros(2, 80, dtype=torch.long)
+    batch[0], batch[1, :57] = a[0], b[0]
+    mask = (torch.arange(80)[None] < torch.tensor([[80], [57]])).long()
+    out = _logits(model, batch, attention_mask=mask)
+    torch.testing.assert_close(out[0], _logits(model, a)[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[1, :57], _logits(model, b)[0], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="right padding"):
+        _logits(model, batch, attention_mask=mask.flip(-1))
+
+
+def test_length_dependent_rope_is_refused():
+    model = tiny_llama(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    use_attention(model, "dca")
+    with pytest.raises(ValueError, match="rope_type='dynamic'"):
+        _logits(model, torch.randint(3, 300, (1, 10)))
+
+
+def test_bf16_follows_fp32():
+    q, k, v = qkv(n=40)
+    p = attn_patterns.get("dca", chunk_size=6, local_window=3, pretraining_length=10)
+    out = p(q.bfloat16(), k.bfloat16(), v.bfloat16())
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), p(q, k, v), atol=3e-2, rtol=3e-2)
+
+
+def test_packed_positions_are_refused():
+    model = tiny_llama(max_position_embeddings=32)
+    use_attention(model, "dca")
+    packed = torch.cat((torch.arange(10), torch.arange(10)))[None]
+    with pytest.raises(ValueError, match="position_ids"):
+        _logits(model, torch.randint(3, 300, (1, 20)), position_ids=packed)
+
+
+def test_benchmark_script_runs(tmp_path, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "dca_prefill.py"
+    spec = importlib.util.spec_from_file_location("dca_prefill", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "dca.json"
+    args = ["--lengths", "300", "--pretraining-length", "128", "--heads", "2", "--kv-heads", "1", "--head-dim", "16",
+            "--warmup", "0", "--repeats", "1", "--output", str(out)]
+    assert bench.main(args) == 0
+    assert "| 300 |" in capsys.readouterr().out and out.with_suffix(".md").exists()

@@ -1,0 +1,59 @@
+import json
+from pathlib import Path
+
+import pytest
+
+from sparse_ft.experiment import QUICK, ExperimentConfig, Runner, config_from_args
+from sparse_ft.train.model_setup import materialize_tiny
+
+MODULES = ["heapq", "textwrap", "bisect", "queue", "string", "fractions"]
+
+
+@pytest.fixture(scope="module")
+def experiment(tmp_path_factory):
+    root = tmp_path_factory.mktemp("experiment")
+    base = materialize_tiny(root / "base", 0, hidden_size=32, intermediate_size=64, num_hidden_layers=1)
+    cfg = ExperimentConfig(base=str(base), output=str(root / "out"), runs=str(root / "runs"), patterns=["s2"], seeds=[0, 1], steps=2,
+                           ppl_factors=[1, 2], passkey_factors=[1, 2], free_methods=["vanilla", "pi", "parallelcomp"],
+                           free_factors=[1, 2], ppl_windows=1, passkey_trials=1, passkey_depths=[0.5],
+                           data=str(root / "data"), modules=MODULES, val_percent=50)
+    return cfg, Runner(cfg).run()
+
+
+def test_rows_tables_and_plots(experiment):
+    cfg, results = experiment
+    out = Path(cfg.output)
+    names = [r["name"] for r in results["rows"]]
+    assert names == ["s2-seed0", "s2-seed1", "vanilla", "pi", "parallelcomp"]
+    for name in ("results.json", "tables.md", "ppl_vs_length.png", "passkey_ft_s2.png", "passkey_free_pi.png"):
+        assert (out / name).stat().st_size > 0, name
+    tables = (out / "tables.md").read_text()
+    assert "| s2 | " in tables and " ± " in tables  # two seeds: mean and spread
+    assert "| parallelcomp | n/a | n/a |" in tables  # it cannot score PPL, only passkey
+    row = results["rows"][0]
+    assert [r["length"] for r in row["ppl"]] == [256, 512] and {c["length"] for c in row["passkey"]} == {256, 512}
+    adapter = json.loads((Path(cfg.runs) / "s2-seed0" / "adapter" / "sparse_ft.json").read_text())
+    assert adapter["rope_parameters"]["factor"] == 4.0 and adapter["train_attention"]["pattern"] == "s2"  # PI 1024/256
+
+
+def test_rerun_reuses_finished_rows(experiment):
+    cfg, results = experiment
+    rows = Path(cfg.output) / "rows"
+    before = {p.name: p.stat().st_mtime_ns for p in rows.iterdir()}
+    again = Runner(cfg).run()
+    assert {p.name: p.stat().st_mtime_ns for p in rows.iterdir()} == before
+    assert [r["ppl"] for r in again["rows"]] == [r["ppl"] for r in results["rows"]]
+
+
+def test_quick_flag_and_bad_names(experiment, tmp_path):
+    import argparse
+
+    cfg, _ = experiment
+    args = argparse.Namespace(base=cfg.base, output=None, runs=None, recipe=cfg.recipe, quick=True, patterns=None,
+                              seeds=None, steps=None, free_methods=None)
+    quick = config_from_args(args)
+    assert quick.steps == QUICK["steps"] and quick.output == QUICK["output"] and quick.seeds == [0, 1]
+    with pytest.raises(ValueError, match="'s3'"):
+        ExperimentConfig(base=cfg.base, patterns=["s3"]).validate()
+    with pytest.raises(FileNotFoundError, match="--base"):
+        ExperimentConfig(base=str(tmp_path / "none")).validate()

@@ -1,0 +1,80 @@
+import json
+
+import pytest
+import torch
+
+from sparse_ft.data.corpus import build_corpus, load_blocks
+from sparse_ft.pretrain import ASSET_DIR, PretrainConfig, lr_at, pretrain, train
+from sparse_ft.tiny import tiny_tokenizer
+
+MICRO = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=4,
+             context=128, steps=3, batch_size=2, warmup_steps=1, log_every=1, eval_windows=2, passkey_trials=0)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    out = tmp_path_factory.mktemp("corpus")
+    build_corpus(out, tiny_tokenizer(), context=128, passkey_fraction=0.5, val_percent=50, modules=("heapq", "textwrap", "bisect", "queue"))
+    return out
+
+
+def test_micro_pretrain_writes_a_loadable_safetensors_checkpoint(corpus, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    stats = pretrain(PretrainConfig(**MICRO), corpus, tmp_path / "base", progress=False)
+    files = {p.name for p in (tmp_path / "base").iterdir()}
+    assert {"config.json", "model.safetensors", "pretrain_stats.json", "tokenizer_config.json"} <= files
+    assert not any(name.endswith((".bin", ".pt", ".pth")) for name in files)
+    written = json.loads((tmp_path / "base" / "pretrain_stats.json").read_text())
+    assert written["steps"] == 3 and written["tokens"] == 3 * 2 * 128 and len(written["loss_curve"]) == 3
+    assert written["evaluation"]["val_ppl"] == pytest.approx(stats["evaluation"]["val_ppl"])
+    assert 1 < written["evaluation"]["val_ppl"] < 1000
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+    assert model.config.max_position_embeddings == 128 and model.config.num_attention_heads == 8
+    # a second phase continues from the checkpoint and keeps the first phase's record
+    more = pretrain(PretrainConfig(**(MICRO | dict(steps=1))), corpus, tmp_path / "phase2", progress=False,
+                    init_from=tmp_path / "base")
+    assert more["previous_phase"]["steps"] == 3 and more["steps"] == 1
+
+
+def test_training_is_seeded_and_lowers_the_loss(corpus):
+    blocks = load_blocks(corpus)
+    cfg = PretrainConfig(**(MICRO | dict(steps=12, lr=1e-2)))
+    a, stats = train(cfg, blocks, progress=False)
+    b, _ = train(cfg, blocks, progress=False)
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+    curve = [c["loss"] for c in stats["loss_curve"]]
+    assert curve[-1] < curve[0] - 0.5
+
+
+def test_schedule_warms_up_then_decays_to_the_floor():
+    cfg = PretrainConfig(steps=100, warmup_steps=10, lr=1.0, min_lr_ratio=0.1)
+    assert lr_at(0, cfg) == pytest.approx(0.1) and lr_at(9, cfg) == pytest.approx(1.0)
+    assert lr_at(10, cfg) > lr_at(50, cfg) > lr_at(99, cfg) >= 0.1
+
+
+def test_bad_config_names_the_key(corpus):
+    with pytest.raises(ValueError, match="save_dtype='int8'"):
+        PretrainConfig(save_dtype="int8").validate()
+    with pytest.raises(ValueError, match="context=64"):
+        train(PretrainConfig(**(MICRO | dict(context=64))), load_blocks(corpus), progress=False)
+
+
+def test_committed_checkpoint_loads_with_the_stated_shapes():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    assert (ASSET_DIR / "model.safetensors").stat().st_size <= 20 * 2**20
+    stats = json.loads((ASSET_DIR / "pretrain_stats.json").read_text())
+    cfg = stats["config"]
+    model = AutoModelForCausalLM.from_pretrained(ASSET_DIR)
+    c = model.config
+    assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.max_position_embeddings) == \
+        (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["context"])
+    assert c.num_attention_heads >= 8 and c.vocab_size == 384
+    assert sum(p.numel() for p in model.parameters()) == stats["parameters"]
+    tok = AutoTokenizer.from_pretrained(ASSET_DIR)
+    ids = torch.tensor([tok("def main():\n    return", add_special_tokens=False)["input_ids"]])
+    with torch.no_grad():
+        loss = model(input_ids=ids, labels=ids).loss
+    assert torch.isfinite(loss) and loss < 4.0  # far below uniform over bytes (ln 384 = 5.95)
