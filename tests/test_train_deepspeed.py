@@ -5,6 +5,7 @@ PeftModel.from_pretrained to the logits the trained model had, and a relaunch re
 last complete checkpoint to the same losses."""
 
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,9 +17,16 @@ from test_train import assert_adapter_reproduces_probe, losses, overrides
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def free_port() -> int:
+    """DeepSpeed's default port may be taken by another run on the machine."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def launch(out: Path, cache: Path) -> subprocess.CompletedProcess:
     launcher = Path(sys.executable).parent / "deepspeed"
-    argv = [str(launcher), "--num_gpus", "2", "train.py", "recipe=tiny", "attention.pattern=scca_flow",
+    argv = [str(launcher), "--num_gpus", "2", "--master_port", str(free_port()), "train.py", "recipe=tiny", "attention.pattern=scca_flow",
             "train.max_steps=4", "train.save_steps=2", *overrides(out, cache)]
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
