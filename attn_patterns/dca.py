@@ -35,12 +35,12 @@ import torch
 
 from attn_patterns.base import Keys, Pattern, _check_qkv
 from attn_patterns.registry import register
+from attn_patterns.rotary import default_inv_freq, rope_inv_freq, rotate  # noqa: F401 (re-exported)
 
 BACKENDS = ("sdpa", "math")
 VARIANTS = ("paper", "chunkllama")
 # RoPE types whose frequencies change with the input length: re-positioning keys rotated
 # at an earlier call (the KV cache) with other frequencies cannot be exact.
-_LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 
 # --- positions --------------------------------------------------------------------------
@@ -101,48 +101,6 @@ def relative_positions(n: int, s: int, w: int, c: int, variant: str = "paper") -
     target = torch.where(d == 0, intra, torch.where(d == 1, succ, inter))
     rel = target - (i % step)[None, :]
     return torch.where(i[None, :] <= i[:, None], rel, torch.full_like(rel, -1))
-
-
-# --- rotary -----------------------------------------------------------------------------
-def rope_inv_freq(config: Any) -> torch.Tensor:
-    """The inverse frequencies a transformers model rotates with, computed from its config
-    exactly as its rotary module does (4.x ``rope_scaling`` or 5.x ``rope_parameters``)."""
-    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
-    if rope_type in _LENGTH_DEPENDENT_ROPE:
-        raise ValueError(
-            f"dca: rope_type={rope_type!r} changes RoPE frequencies with the input length, so cached keys cannot be "
-            "re-positioned exactly; DCA keeps every distance below the pretraining length, where this scaling "
-            "does nothing: load the model without it (or use linear / yarn / llama3 scaling)"
-        )
-    if rope_type != "default":
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-        return ROPE_INIT_FUNCTIONS[rope_type](config, None)[0].float()
-    theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    dim = int(head_dim * params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)))
-    return default_inv_freq(dim, theta)
-
-
-def default_inv_freq(dim: int, theta: float = 10000.0) -> torch.Tensor:
-    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-
-
-def rotate(x: torch.Tensor, shift: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x (..., D)`` by ``shift`` positions (int, broadcastable to ``x.shape[:-1]``)
-    with RoPE's rotate-half layout; only the first ``2·len(inv_freq)`` dims rotate (partial
-    rotary). Angles are formed and reduced modulo 2π in fp64 (a shift of 10^5 positions
-    would lose ~1e-2 rad in fp32), the rotation runs in fp32, the result is in x's dtype."""
-    half = inv_freq.numel()
-    angle = shift.to(torch.float64)[..., None] * inv_freq.to(device=x.device, dtype=torch.float64)
-    angle = torch.remainder(angle, 2 * math.pi).float()
-    cos, sin = angle.cos(), angle.sin()
-    x1, x2 = x[..., :half].float(), x[..., half : 2 * half].float()
-    out = x.clone() if 2 * half < x.shape[-1] else torch.empty_like(x)
-    out[..., :half] = torch.addcmul(x1 * cos, x2, sin, value=-1)
-    out[..., half : 2 * half] = torch.addcmul(x2 * cos, x1, sin)
-    return out
 
 
 # --- kernels: attention of a query block with its log-sum-exp ---------------------------
@@ -405,7 +363,7 @@ class DualChunkAttention(Pattern):
                 )
         config = module.config
         s, w, c = self.sizes(int(config.max_position_embeddings))
-        inv_freq = rope_inv_freq(config).to(query.device)
+        inv_freq = rope_inv_freq(config, "dca").to(query.device)
         out = dca_attention(query, key, value, inv_freq, s, w, c, scale=scaling, backend=self.backend, variant=self.variant)
         return out.transpose(1, 2).contiguous(), None
 

@@ -38,32 +38,10 @@ import torch.nn.functional as F
 
 from attn_patterns.base import Pattern, check_positive
 from attn_patterns.registry import register
+from attn_patterns.rotary import rotate as rerotate
 
 # Elements of one gathered key block (rows × l × D per head): bounds memory independently of N.
 _BLOCK_ELEMENTS = 1 << 26
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def rerotate(x: torch.Tensor, shift: torch.Tensor, inv_freq: Optional[torch.Tensor]) -> torch.Tensor:
-    """Move RoPE-rotated vectors ``x (..., D)`` by ``shift`` positions (broadcastable to
-    ``x.shape[:-1]``), in fp32. RoPE is a rotation, so R(p + s) = R(s)·R(p): this composes
-    with any scaling already in ``inv_freq`` (PI, YaRN) and keeps a YaRN magnitude factor.
-    Only the first ``2·len(inv_freq)`` dims rotate (partial rotary). ``inv_freq=None``:
-    no RoPE, nothing to do."""
-    if inv_freq is None:
-        return x
-    dim = 2 * inv_freq.numel()
-    angle = shift.to(torch.float32).unsqueeze(-1) * inv_freq.to(device=x.device, dtype=torch.float32)
-    angle = torch.cat((angle, angle), dim=-1)
-    head = x[..., :dim].float()
-    head = head * angle.cos() + rotate_half(head) * angle.sin()
-    if dim == x.shape[-1]:
-        return head.to(x.dtype)
-    return torch.cat((head.to(x.dtype), x[..., dim:].expand(*head.shape[:-1], -1)), dim=-1)
 
 
 def chunk_representations(

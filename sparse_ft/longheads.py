@@ -17,30 +17,10 @@ from typing import Any, Optional
 import torch
 
 from attn_patterns.longheads import LongHeads, attend, chunk_representations
+from attn_patterns.rotary import rope_inv_freq
 from sparse_ft import rope
 
 _STATE_ATTR = "_longheads_state"
-
-
-def rope_inv_freq(config: Any) -> torch.Tensor:
-    """The inverse frequencies a transformers model rotates with, from its config (4.x
-    ``rope_scaling`` or 5.x ``rope_parameters``), through transformers' own RoPE functions.
-    Dynamic NTK changes them with the input length at run time, so re-positioning could not
-    be exact: refused."""
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    params = rope.rope_parameters(config)
-    rope_type = params["rope_type"]
-    if rope_type == "dynamic":
-        raise ValueError("rope_type='dynamic' changes RoPE frequencies with the input length; LongHeads needs fixed ones")
-    if rope_type != "default":
-        if rope_type not in ROPE_INIT_FUNCTIONS:
-            raise ValueError(f"rope_type={rope_type!r} is unknown to transformers; allowed: default, {', '.join(ROPE_INIT_FUNCTIONS)}")
-        return ROPE_INIT_FUNCTIONS[rope_type](config, None)[0].float()
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    fraction = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
-    dim = int(head_dim * fraction)
-    return 1.0 / (float(params["rope_theta"]) ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
 
 
 def attend_hf(
@@ -56,7 +36,7 @@ def attend_hf(
             raise ValueError("longheads supports right padding only (a real token follows padding); set tokenizer.padding_side='right'")
     config = module.config
     k_chunks = pattern.window(pattern.pretraining_length or rope.original_context(config))
-    inv_freq = rope_inv_freq(config).to(query.device)  # cheap; never stale after a RoPE change
+    inv_freq = rope_inv_freq(config, "longheads").to(query.device)  # cheap; never stale after a RoPE change
     reps = _update_state(module, query, key, value, pattern.chunk_size, inv_freq)
     scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
     out = attend(query, key, value, reps, pattern.chunk_size, k_chunks, inv_freq, scale, pattern.keep_previous)
