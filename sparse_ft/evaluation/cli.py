@@ -128,13 +128,20 @@ def run_ppl(args) -> int:
     results = [ppl.evaluate_length(model, stream, n, args.stride, args.scoring, method, args.batch_size, args.num_windows)
                for n in lengths]
     label = _label(args)
-    print(report.ppl_table(results, label))
-    if args.output:
-        report.write_json(args.output, {"label": label, "results": results, "config": _config(args, model)})
-        print(f"wrote {args.output}")
+    _emit(args, model, label, report.ppl_table(results, label), results)
     if args.plot:
         print(f"wrote {plots.plot_ppl([(label, results)], args.plot)}")
     return 0
+
+
+def _emit(args, model, label: str, table: str, results: list) -> None:
+    """The markdown table on stdout and, with --output, the results JSON with the full configuration."""
+    from sparse_ft.evaluation import report
+
+    print(table)
+    if args.output:
+        report.write_json(args.output, {"label": label, "results": results, "config": _config(args, model)})
+        print(f"wrote {args.output}")
 
 
 def run_passkey(args) -> int:
@@ -153,10 +160,7 @@ def run_passkey(args) -> int:
     model, tokenizer = _load(args)
     cells = passkey.evaluate(model, tokenizer, lengths, depths, args.trials, method, args.seed)
     label = _label(args)
-    print(report.passkey_table(cells))
-    if args.output:
-        report.write_json(args.output, {"label": label, "results": cells, "config": _config(args, model)})
-        print(f"wrote {args.output}")
+    _emit(args, model, label, report.passkey_table(cells), cells)
     if args.heatmap:
         print(f"wrote {plots.plot_passkey(cells, args.heatmap, f'passkey retrieval: {label}')}")
     return 0
