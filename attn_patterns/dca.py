@@ -39,6 +39,10 @@ from attn_patterns.rotary import default_inv_freq, rope_inv_freq, rotate  # noqa
 
 BACKENDS = ("sdpa", "math")
 VARIANTS = ("paper", "chunkllama")
+# the paper's ablation (its Figure 4): intra-chunk alone is chunked local attention (low PPL,
+# no retrieval across chunks); adding inter-chunk sees every key but from c - 1 only (retrieval
+# back, locality lost); successive-chunk restores the true distance of the w nearest keys.
+PIECES = ("intra", "intra+inter", "intra+inter+successive")
 # RoPE types whose frequencies change with the input length: re-positioning keys rotated
 # at an earlier call (the KV cache) with other frequencies cannot be exact.
 
@@ -79,28 +83,36 @@ def resolve(
     return s, w, c
 
 
-def query_positions(i: torch.Tensor, s: int, w: int, c: int, variant: str = "paper") -> tuple[torch.Tensor, ...]:
-    """Target positions ``(intra, successive, inter)`` of queries at true positions ``i``."""
+def query_positions(
+    i: torch.Tensor, s: int, w: int, c: int, variant: str = "paper", pieces: str = PIECES[-1]
+) -> tuple[torch.Tensor, ...]:
+    """Target positions ``(intra, successive, inter)`` of queries at true positions ``i``;
+    without the successive piece the previous chunk is seen like any other (inter-chunk)."""
     a = i % s
     if variant == "chunkllama":
         # the authors' code: chunks of L = s - w tokens, successive queries at min(a + L, s),
         # inter-chunk queries where the last row's successive query sits, min(2L - 1, s).
         step = s - w
         a = i % step
-        return a, torch.clamp(a + step, max=s), torch.full_like(i, min(2 * step - 1, s))
-    return a, torch.where(a < w, s + a, torch.full_like(a, c - 1)), torch.full_like(i, c - 1)
+        inter = torch.full_like(i, min(2 * step - 1, s))
+        succ = torch.clamp(a + step, max=s)
+    else:
+        inter = torch.full_like(i, c - 1)
+        succ = torch.where(a < w, s + a, inter)
+    return a, (succ if "successive" in pieces else inter), inter
 
 
-def relative_positions(n: int, s: int, w: int, c: int, variant: str = "paper") -> torch.Tensor:
-    """The ``(n, n)`` int64 matrix M of eqs. 2–8; -1 above the diagonal. Tests and pictures
-    only (it is N×N)."""
+def relative_positions(n: int, s: int, w: int, c: int, variant: str = "paper", pieces: str = PIECES[-1]) -> torch.Tensor:
+    """The ``(n, n)`` int64 matrix M of eqs. 2–8; -1 where the key is not seen (above the
+    diagonal; other chunks with ``pieces='intra'``). Tests and pictures only (it is N×N)."""
     i = torch.arange(n)
     step = s - w if variant == "chunkllama" else s
-    intra, succ, inter = (p[:, None] for p in query_positions(i, s, w, c, variant))
+    intra, succ, inter = (p[:, None] for p in query_positions(i, s, w, c, variant, pieces))
     d = i[:, None] // step - i[None, :] // step
     target = torch.where(d == 0, intra, torch.where(d == 1, succ, inter))
     rel = target - (i % step)[None, :]
-    return torch.where(i[None, :] <= i[:, None], rel, torch.full_like(rel, -1))
+    seen = (i[None, :] <= i[:, None]) & ((d == 0) | (pieces != "intra"))
+    return torch.where(seen, rel, torch.full_like(rel, -1))
 
 
 # --- kernels: attention of a query block with its log-sum-exp ---------------------------
@@ -193,6 +205,7 @@ def dca_attention(
     scale: Optional[float] = None,
     backend: Optional[str] = None,
     variant: str = "paper",
+    pieces: str = PIECES[-1],
 ) -> torch.Tensor:
     """DCA output (B,H,Nq,D) for the last Nq of Nk positions: q (B,H,Nq,D) and k/v
     (B,Hkv,Nk,D), q and k rotated at their true positions with ``inv_freq`` (what a
@@ -207,7 +220,8 @@ def dca_attention(
       pieces are one attention over all earlier chunks;
     * inter-chunk: the query rotated once to c - 1, keys rotated to ``j mod s``.
 
-    Non-causal pieces need no mask, the causal one is square: no masked work in prefill."""
+    Non-causal pieces need no mask, the causal one is square: no masked work in prefill.
+    ``pieces`` drops pieces for the paper's ablation (see ``PIECES``)."""
     s, w, c = chunk_size, local_window, pretraining_length
     nq, nk = q.shape[2], k.shape[2]
     start = nk - nq
@@ -217,6 +231,8 @@ def dca_attention(
     near = min(step, w + 1 if variant == "chunkllama" else w)  # rows whose successive distance is true
     inter_at = min(2 * step - 1, s) if variant == "chunkllama" else c - 1
     succ_at = s if variant == "chunkllama" else c - 1  # the far rows' successive query position
+    if "successive" not in pieces:  # the previous chunk is one more inter-chunk chunk
+        near, succ_at = 0, inter_at
     dev = q.device
     out = torch.empty_like(q)
     k_far: list[torch.Tensor] = []  # keys at j mod step, made on first use (never within c tokens)
@@ -233,7 +249,7 @@ def dca_attention(
         lo, hi = max(m * step, start), min((m + 1) * step, nk)
         intra = _attend(q[:, :, lo - start : hi - start], k[:, :, m * step : hi], v[:, :, m * step : hi],
                         scale, lo - m * step, backend, step)
-        if m == 0:
+        if m == 0 or pieces == "intra":
             out[:, :, lo - start : hi - start] = intra[0]
             continue
         prev, before = slice((m - 1) * step, m * step), slice(0, (m - 1) * step)
@@ -241,16 +257,16 @@ def dca_attention(
             if g_lo >= g_hi:
                 continue
             rows, pos = slice(g_lo - start, g_hi - start), torch.arange(g_lo, g_hi, device=dev)
-            pieces = [(intra[0][:, :, g_lo - lo : g_hi - lo], intra[1][:, :, g_lo - lo : g_hi - lo])]
+            parts = [(intra[0][:, :, g_lo - lo : g_hi - lo], intra[1][:, :, g_lo - lo : g_hi - lo])]
             if is_near:  # successive chunk at the true distance: the model's own rotation
-                pieces.append(_attend(q[:, :, rows], k[:, :, prev], v[:, :, prev], scale, None, backend, step))
+                parts.append(_attend(q[:, :, rows], k[:, :, prev], v[:, :, prev], scale, None, backend, step))
             elif succ_at == inter_at:  # previous chunk and all before seen from one position
-                pieces.append(far(rows, pos, slice(0, m * step), inter_at))
+                parts.append(far(rows, pos, slice(0, m * step), inter_at))
             else:
-                pieces.append(far(rows, pos, prev, succ_at))
+                parts.append(far(rows, pos, prev, succ_at))
             if m >= 2 and (is_near or succ_at != inter_at):
-                pieces.append(far(rows, pos, before, inter_at))
-            out[:, :, rows] = _merge(pieces)
+                parts.append(far(rows, pos, before, inter_at))
+            out[:, :, rows] = _merge(parts)
     return out
 
 
@@ -282,9 +298,12 @@ class DualChunkAttention(Pattern):
         pretraining_length: Optional[int] = None,
         variant: str = "paper",
         backend: Optional[str] = None,
+        pieces: str = PIECES[-1],
     ) -> None:
         if variant not in VARIANTS:
             raise ValueError(f"dca: variant={variant!r} is unknown; allowed: {', '.join(VARIANTS)}")
+        if pieces not in PIECES:
+            raise ValueError(f"dca: pieces={pieces!r} is unknown; allowed: {', '.join(PIECES)}")
         if backend is not None and backend not in BACKENDS:
             raise ValueError(f"dca: backend={backend!r} is unknown; allowed: {', '.join(BACKENDS)} or None (automatic)")
         if chunk_size is not None:
@@ -294,9 +313,9 @@ class DualChunkAttention(Pattern):
         if pretraining_length is not None:
             resolve(pretraining_length, chunk_size, local_window, variant)
         super().__init__(backend=backend, chunk_size=chunk_size, local_window=local_window,
-                         pretraining_length=pretraining_length, variant=variant)
+                         pretraining_length=pretraining_length, variant=variant, pieces=pieces)
         self.chunk_size, self.local_window, self.pretraining_length = chunk_size, local_window, pretraining_length
-        self.variant = variant
+        self.variant, self.pieces = variant, pieces
 
     def sizes(self, pretraining_length: Optional[int] = None) -> tuple[int, int, int]:
         """``(s, w, c)``; ``pretraining_length`` is the model's, used when none was given."""
@@ -306,12 +325,17 @@ class DualChunkAttention(Pattern):
         return resolve(c, self.chunk_size, self.local_window, self.variant)
 
     def relative_positions(self, n: int, pretraining_length: Optional[int] = None) -> torch.Tensor:
-        return relative_positions(n, *self.sizes(pretraining_length), variant=self.variant)
+        return relative_positions(n, *self.sizes(pretraining_length), variant=self.variant, pieces=self.pieces)
 
     def keys(self, h: torch.Tensor, i: torch.Tensor, n: int, num_heads: int) -> Keys:
-        # DCA changes positions, never visibility: every causal key.
+        # DCA changes positions, never visibility: every causal key; intra-chunk alone sees
+        # its own chunk only.
         zero = torch.zeros_like(i + h)
-        return zero, zero + n - 1, zero + 1
+        if self.pieces != "intra":
+            return zero, zero + n - 1, zero + 1
+        s, w, _ = self.sizes()
+        step = s - w if self.variant == "chunkllama" else s
+        return (i // step) * step + zero, i + zero, zero + 1
 
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: Optional[str] = None,
@@ -325,7 +349,8 @@ class DualChunkAttention(Pattern):
         inv_freq = default_inv_freq(q.shape[-1]) if inv_freq is None else inv_freq.to(q.device)
         pos = torch.arange(q.shape[2], device=q.device)
         q, k = rotate(q, pos, inv_freq), rotate(k, pos, inv_freq)
-        return dca_attention(q, k, v, inv_freq, s, w, c, backend=backend or self.backend, variant=self.variant)
+        return dca_attention(q, k, v, inv_freq, s, w, c, backend=backend or self.backend, variant=self.variant,
+                             pieces=self.pieces)
 
     # --- transformers AttentionInterface hook -------------------------------------------
     def attend_hf(
@@ -364,7 +389,8 @@ class DualChunkAttention(Pattern):
         config = module.config
         s, w, c = self.sizes(int(config.max_position_embeddings))
         inv_freq = rope_inv_freq(config, "dca").to(query.device)
-        out = dca_attention(query, key, value, inv_freq, s, w, c, scale=scaling, backend=self.backend, variant=self.variant)
+        out = dca_attention(query, key, value, inv_freq, s, w, c, scale=scaling, backend=self.backend,
+                            variant=self.variant, pieces=self.pieces)
         return out.transpose(1, 2).contiguous(), None
 
 
@@ -374,10 +400,12 @@ def dca(
     pretraining_length: Optional[int] = None,
     variant: str = "paper",
     backend: Optional[str] = None,
+    pieces: str = PIECES[-1],
 ) -> DualChunkAttention:
     """Dual Chunk Attention; see :class:`DualChunkAttention`. ``variant='chunkllama'``
-    reproduces the authors' public code instead of the paper's equations."""
-    return DualChunkAttention(chunk_size, local_window, pretraining_length, variant, backend)
+    reproduces the authors' public code instead of the paper's equations; ``pieces`` is the
+    paper's ablation (``PIECES``)."""
+    return DualChunkAttention(chunk_size, local_window, pretraining_length, variant, backend, pieces)
 
 
 register("dca", dca)

@@ -30,14 +30,14 @@ def rotate_at(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) 
 
 def reference(q, k, v, rel: torch.Tensor, inv_freq: torch.Tensor, scale: float | None = None) -> torch.Tensor:
     """Dense DCA from the relative-position matrix: logit(i, j) = <R(M[i][j]) q_i, k_j> for
-    RoPE-free q (B,H,N,D), k/v (B,Hkv,N,D); fp64; causal."""
+    RoPE-free q (B,H,N,D), k/v (B,Hkv,N,D); fp64; causal, and M = -1 hides a key."""
     groups = q.shape[1] // k.shape[1]
     k, v = (x.repeat_interleave(groups, dim=1).double() for x in (k, v))
     n = q.shape[2]
     q_pairs = rotate_at(q[:, :, :, None, :], rel.clamp(min=0), inv_freq)  # (B,H,N,N,D)
     scores = (q_pairs * k[:, :, None, :, :]).sum(-1) * (scale or 1 / math.sqrt(q.shape[-1]))
-    causal = torch.ones(n, n, dtype=torch.bool).tril()
-    weights = torch.softmax(scores.masked_fill(~causal, float("-inf")), -1)
+    seen = (rel >= 0) & torch.ones(n, n, dtype=torch.bool).tril()
+    weights = torch.softmax(scores.masked_fill(~seen, float("-inf")), -1)
     return weights @ v
 
 
@@ -88,6 +88,7 @@ def test_defaults_follow_the_paper():
         (dict(pretraining_length=1.5), "pretraining_length=1.5"),
         (dict(variant="chunky"), "variant='chunky'"),
         (dict(variant="chunkllama", chunk_size=4, local_window=4, pretraining_length=8), "local_window=4"),
+        (dict(pieces="inter"), "pieces='inter'"),
     ],
 )
 def test_parameters_are_validated(params, words):
@@ -98,6 +99,22 @@ def test_parameters_are_validated(params, words):
 def test_mask_is_causal():
     mask = attn_patterns.get("dca", pretraining_length=8).mask(10, 2)
     assert torch.equal(mask, torch.ones(2, 10, 10, dtype=torch.bool).tril().expand(2, 10, 10))
+    assert torch.equal(attn_patterns.get("dca", pretraining_length=8, pieces="intra+inter").mask(10, 2), mask)
+
+
+def test_ablation_positions_and_mask():
+    """The paper's Figure 4 ablation: intra-chunk alone sees its own chunk only; intra + inter
+    sees every key, the previous chunk from c - 1 like the others."""
+    s, w, c, n = 5, 3, 9, 23
+    intra = attn_patterns.get("dca", chunk_size=s, local_window=w, pretraining_length=c, pieces="intra")
+    same_chunk = (torch.arange(n)[:, None] // s == torch.arange(n)[None, :] // s) & torch.ones(n, n, dtype=torch.bool).tril()
+    assert torch.equal(intra.mask(n, 1)[0], same_chunk)
+    assert torch.equal(intra.relative_positions(n) >= 0, same_chunk)
+    rel = attn_patterns.get("dca", chunk_size=s, local_window=w, pretraining_length=c, pieces="intra+inter").relative_positions(n)
+    for i in range(n):
+        for j in range(i + 1):
+            want = i % s - j % s if i // s == j // s else c - 1 - j % s
+            assert rel[i, j] == want, (i, j)
 
 
 # --- the kernel -------------------------------------------------------------------------------
@@ -113,6 +130,16 @@ def test_kernel_matches_reference(backend, n):
     out = p(q, k, v, backend=backend)
     want = reference(q, k, v, p.relative_positions(n), default_inv_freq(16))
     torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "math"])
+@pytest.mark.parametrize("variant", ["paper", "chunkllama"])
+@pytest.mark.parametrize("pieces", ["intra", "intra+inter"])
+def test_ablation_kernel_matches_reference(backend, variant, pieces):
+    q, k, v = qkv(n=31)
+    p = attn_patterns.get("dca", chunk_size=6, local_window=3, pretraining_length=10, variant=variant, pieces=pieces)
+    want = reference(q, k, v, p.relative_positions(31), default_inv_freq(16))
+    torch.testing.assert_close(p(q, k, v, backend=backend).double(), want, atol=2e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("w", [2, 4])
@@ -154,9 +181,10 @@ def test_rotate_is_exact_at_long_distances():
     torch.testing.assert_close(rotate(x.float(), shift, inv).double(), rotate_at(x, shift.view(1, 1, 3), inv), atol=1e-5, rtol=0)
 
 
-def test_future_tokens_never_leak():
+@pytest.mark.parametrize("pieces", attn_patterns.dca.PIECES)
+def test_future_tokens_never_leak(pieces):
     q, k, v = qkv(n=30)
-    p = attn_patterns.get("dca", chunk_size=6, local_window=3, pretraining_length=10)
+    p = attn_patterns.get("dca", chunk_size=6, local_window=3, pretraining_length=10, pieces=pieces)
     before = p(q, k, v)
     t = 17
     for x in (q, k, v):
@@ -208,8 +236,8 @@ class DenseDCA(Pattern):
         qp = q_raw[:, :, :, None, :]
         q_pairs = qp * cos_p + torch.cat((-qp[..., half:], qp[..., :half]), -1) * sin_p
         scores = (q_pairs * k_raw[:, :, None, :, :]).sum(-1) * scaling * factor  # k at position 0 keeps one factor
-        causal = torch.arange(nk)[None, :] <= torch.arange(start, nk)[:, None]
-        weights = torch.softmax(scores.masked_fill(~causal, float("-inf")), -1)
+        seen = (torch.arange(nk)[None, :] <= torch.arange(start, nk)[:, None]) & (rel >= 0)
+        weights = torch.softmax(scores.masked_fill(~seen, float("-inf")), -1)
         return (weights @ v).to(query.dtype).transpose(1, 2).contiguous(), None
 
 
@@ -226,13 +254,14 @@ def _logits(model, ids, **kw):
         return model(input_ids=ids, **kw).logits.double()
 
 
-@pytest.mark.parametrize("rope", sorted(ROPES))
-def test_model_matches_dense_reference(rope):
+@pytest.mark.parametrize("rope, pieces", [(r, attn_patterns.dca.PIECES[-1]) for r in sorted(ROPES)]
+                         + [("default", "intra"), ("default", "intra+inter")])
+def test_model_matches_dense_reference(rope, pieces):
     """A tiny GQA Llama (c = 64 -> s = 48, w = 16) over 150 tokens: 4 chunks, on top of
     the model's own RoPE scaling."""
     model = tiny_llama(max_position_embeddings=64, **ROPES[rope])
     ids = torch.randint(3, 300, (1, 150), generator=torch.Generator().manual_seed(1))
-    dca = attn_patterns.get("dca")
+    dca = attn_patterns.get("dca", pieces=pieces)
     use_attention(model, DenseDCA(dca, model.model.rotary_emb))
     want = _logits(model, ids)
     use_attention(model, dca)

@@ -156,7 +156,9 @@ def test_quantised_ppl_is_close_to_fp32(tmp_path):
 
     text = b"The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. "
     tokens = np.frombuffer(text * 8, dtype=np.uint8).astype(np.int64) + 3  # ByT5 ids: byte + 3
-    model, ids = tiny_llama().train(), torch.from_numpy(tokens[:128])[None]
+    # every projection's output a multiple of 32: on CPUs with AVX512-BF16, bitsandbytes repacks
+    # NF4 weights in blocks of 32 rows for inference (k/v of the default tiny model have 16)
+    model, ids = tiny_llama(num_key_value_heads=4).train(), torch.from_numpy(tokens[:128])[None]
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for _ in range(50):
         model(ids, labels=ids).loss.backward()
@@ -170,7 +172,8 @@ def test_quantised_ppl_is_close_to_fp32(tmp_path):
         results[flag] = ppl.evaluate_length(loaded, tokens, 128, 64, "standard", methods.get("full"))["ppl"]
         if flag == "load_in_4bit":  # NF4 with double quantisation really ran, not an fp32 fallback
             layers = [m for m in loaded.modules() if isinstance(m, bnb.nn.Linear4bit)]
-            assert len(layers) == 14 and all(m.weight.quant_state.quant_type == "nf4" and m.weight.quant_state.nested for m in layers)
+            states = [m.weight.quant_state for m in layers]  # the AVX512-BF16 repacking keeps the original flag aside
+            assert len(layers) == 14 and all(s.quant_type == "nf4" and getattr(s, "original_nested", s.nested) for s in states)
     assert results["fp32"] < 4  # learned: uniform would be 384
     for flag in ("load_in_4bit", "load_in_8bit"):
         assert results[flag] != results["fp32"] and abs(results[flag] / results["fp32"] - 1) < 0.05, results

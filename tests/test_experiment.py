@@ -14,7 +14,7 @@ def experiment(tmp_path_factory):
     root = tmp_path_factory.mktemp("experiment")
     base = materialize_tiny(root / "base", 0, hidden_size=32, intermediate_size=64, num_hidden_layers=1)
     cfg = ExperimentConfig(base=str(base), output=str(root / "out"), runs=str(root / "runs"), patterns=["s2"], seeds=[0, 1], steps=2,
-                           ppl_factors=[1, 2], passkey_factors=[1, 2], free_methods=["vanilla", "pi", "parallelcomp"],
+                           ppl_factors=[1, 2], passkey_factors=[1, 2], free_methods=["vanilla", "pi", "dca_intra", "parallelcomp"],
                            free_factors=[1, 2], ppl_windows=1, passkey_trials=1, passkey_depths=[0.5],
                            data=str(root / "data"), modules=MODULES, val_percent=50)
     return cfg, Runner(cfg).run()
@@ -24,12 +24,14 @@ def test_rows_tables_and_plots(experiment):
     cfg, results = experiment
     out = Path(cfg.output)
     names = [r["name"] for r in results["rows"]]
-    assert names == ["s2-seed0", "s2-seed1", "vanilla", "pi", "parallelcomp"]
+    assert names == ["s2-seed0", "s2-seed1", "vanilla", "pi", "dca_intra", "parallelcomp"]
     for name in ("results.json", "tables.md", "ppl_vs_length.png", "passkey_ft_s2.png", "passkey_free_pi.png"):
         assert (out / name).stat().st_size > 0, name
     tables = (out / "tables.md").read_text()
     assert "| s2 | " in tables and " ± " in tables  # two seeds: mean and spread
     assert "| parallelcomp | n/a | n/a |" in tables  # it cannot score PPL, only passkey
+    ablation = next(r for r in results["rows"] if r["name"] == "dca_intra")
+    assert ablation["params"] == {"pieces": "intra"} and ablation["ppl"][0]["ppl"] > 0
     row = results["rows"][0]
     assert [r["length"] for r in row["ppl"]] == [256, 512] and {c["length"] for c in row["passkey"]} == {256, 512}
     adapter = json.loads((Path(cfg.runs) / "s2-seed0" / "adapter" / "sparse_ft.json").read_text())

@@ -78,3 +78,16 @@ def test_committed_checkpoint_loads_with_the_stated_shapes():
     with torch.no_grad():
         loss = model(input_ids=ids, labels=ids).loss
     assert torch.isfinite(loss) and loss < 4.0  # far below uniform over bytes (ln 384 = 5.95)
+
+
+def test_committed_checkpoint_retrieves_a_passkey_inside_its_window():
+    """What the experiment's passkey columns rely on: the base finds the key when the whole
+    prompt fits in its 256 tokens (and, as its stats record, not past them untouched)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from sparse_ft.evaluation import methods, passkey
+
+    model = AutoModelForCausalLM.from_pretrained(ASSET_DIR).eval()
+    tok = AutoTokenizer.from_pretrained(ASSET_DIR)
+    cells = passkey.evaluate(model, tok, [248], [0.0, 0.5, 1.0], 3, methods.get("full"), seed=1)
+    assert sum(c["accuracy"] for c in cells) / len(cells) >= 0.8, [c["outputs"] for c in cells]
