@@ -50,6 +50,7 @@ class ExperimentConfig:
     runs: str = "runs/experiment"  # adapters and training logs
     recipe: str = str(RECIPE)
     factor: int = 4  # fine-tuning target = factor x the base's context
+    rope_method: str = "linear"  # how fine-tuning extends RoPE: PI (the papers'), or dynamic NTK / YaRN
     patterns: list[str] = field(default_factory=lambda: list(PATTERNS))
     seeds: list[int] = field(default_factory=lambda: [0, 1])
     steps: int = 1000
@@ -157,7 +158,7 @@ class Runner:
 
         overrides = [f"model.name_or_path={self.cfg.base}", f"model.target_length={self.target}",
                      f"attention.pattern={pattern}", f"train.seed={seed}", f"train.output_dir={output_dir}",
-                     f"train.max_steps={self.cfg.steps}"]
+                     f"train.max_steps={self.cfg.steps}", f"model.rope_method={self.cfg.rope_method}"]
         if self.jsonl is not None:
             overrides.append(f"data.source={self.jsonl}")
         return load_recipe(self.cfg.recipe, overrides)
@@ -264,6 +265,9 @@ def add_parser(sub) -> None:
     p.add_argument("--output", default=None, help=f"results folder (default {d.output}, with --quick {QUICK['output']})")
     p.add_argument("--runs", default=None, help=f"adapters (default {d.runs}, with --quick {QUICK['runs']})")
     p.add_argument("--recipe", default=d.recipe)
+    p.add_argument("--rope-method", default=d.rope_method, choices=["linear", "dynamic", "yarn"],
+                   help="RoPE extension of the fine-tuned rows (default linear = PI); other methods write to "
+                        "<output>-<method> and <runs>-<method> unless --output/--runs are given")
     p.add_argument("--patterns", type=_list(str), default=None, help=",".join(d.patterns))
     p.add_argument("--seeds", type=_list(int), default=None, help="default 0,1")
     p.add_argument("--steps", type=int, default=None, help=f"fine-tuning steps per run (default {d.steps})")
@@ -273,9 +277,11 @@ def add_parser(sub) -> None:
 
 
 def config_from_args(args) -> ExperimentConfig:
-    cfg = ExperimentConfig(base=args.base, recipe=args.recipe)
+    cfg = ExperimentConfig(base=args.base, recipe=args.recipe, rope_method=args.rope_method)
     if args.quick:
         cfg = replace(cfg, **QUICK)
+    if cfg.rope_method != "linear":  # never overwrite the PI results
+        cfg = replace(cfg, output=f"{cfg.output}-{cfg.rope_method}", runs=f"{cfg.runs}-{cfg.rope_method}")
     for key in ("output", "runs", "patterns", "seeds", "steps", "free_methods"):
         if getattr(args, key) is not None:
             cfg = replace(cfg, **{key: getattr(args, key)})

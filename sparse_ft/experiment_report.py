@@ -12,6 +12,8 @@ from statistics import mean
 from sparse_ft.evaluation.plots import plot_passkey, plot_ppl
 from sparse_ft.evaluation.report import write_json
 
+ROPE_NAMES = {"linear": "PI", "dynamic": "dynamic NTK", "yarn": "YaRN"}
+
 
 def _by_pattern(rows: list[dict]) -> dict[str, list[dict]]:
     groups: dict[str, list[dict]] = defaultdict(list)
@@ -51,7 +53,8 @@ def tables(results: dict) -> str:
     rows, context, target = results["rows"], results["context"], results["target"]
     cfg = results["config"]
     out = [f"# Tiny-scale experiment: {context} -> {target} tokens", "",
-           f"Base: `{cfg['base']}` (context {context}). Fine-tuning: PI to {target} + LoRA+ through each pattern, "
+           f"Base: `{cfg['base']}` (context {context}). Fine-tuning: "
+           f"{ROPE_NAMES[cfg.get('rope_method', 'linear')]} to {target} + LoRA+ through each pattern, "
            f"{cfg['steps']} steps each, seeds {cfg['seeds']}; evaluation with full attention, standard sliding-window "
            f"PPL (stride {context}, {cfg['ppl_windows']} windows per length) on held-out stdlib modules; passkey: "
            f"{cfg['passkey_trials']} keys x depths {cfg['passkey_depths']}, greedy, exact match. "
@@ -106,5 +109,6 @@ def write_report(results: dict, out: Path) -> None:
                 series.append((row["name"], row["ppl"]))
             plot_passkey(row["passkey"], out / f"passkey_free_{row['name']}.png", f"passkey, training-free: {row['name']}")
     if series:
-        plot_ppl(series, out / "ppl_vs_length.png")
+        free = [r["name"] for r in results["rows"] if r["kind"] == "training-free"]
+        plot_ppl(series, out / "ppl_vs_length.png", dashed=free)
     print(f"wrote {out / 'results.json'}, {out / 'tables.md'} and plots")

@@ -91,3 +91,17 @@ def test_committed_checkpoint_retrieves_a_passkey_inside_its_window():
     tok = AutoTokenizer.from_pretrained(ASSET_DIR)
     cells = passkey.evaluate(model, tok, [248], [0.0, 0.5, 1.0], 3, methods.get("full"), seed=1)
     assert sum(c["accuracy"] for c in cells) / len(cells) >= 0.8, [c["outputs"] for c in cells]
+
+
+def test_copy_probe_sees_the_base_copy_the_key():
+    """scripts/copy_probe.py, behind the README's statement that PI fine-tuning breaks copying."""
+    import importlib.util
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    spec = importlib.util.spec_from_file_location("copy_probe", ASSET_DIR.parent.parent / "scripts" / "copy_probe.py")
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    model = AutoModelForCausalLM.from_pretrained(ASSET_DIR).eval()
+    acc = probe.copy_accuracy(model, AutoTokenizer.from_pretrained(ASSET_DIR), 256, keys=2)
+    assert acc["needle repeat"] == 1.0 and acc["answer"] == 1.0 and acc["needle"] < 0.5, acc

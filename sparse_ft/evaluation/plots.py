@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Iterable
 
 
 def _pyplot():
@@ -21,22 +22,36 @@ def _save(fig, output: Path) -> Path:
     return output
 
 
-def plot_ppl(series: list[tuple[str, list[dict]]], output: Path) -> Path:
-    """``series``: ``(label, results)`` per run, e.g. from :func:`report.read_ppl`."""
+def plot_ppl(series: list[tuple[str, list[dict]]], output: Path, dashed: Iterable[str] = ()) -> Path:
+    """``series``: ``(label, results)`` per run, e.g. from :func:`report.read_ppl`; labels in
+    ``dashed`` are drawn dashed (a second family, e.g. training-free methods). The y axis is
+    logarithmic: a method that blows up must not flatten the ones that hold."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6, 4))
+    many = len(series) > 6
+    fig, ax = plt.subplots(figsize=(8.5 if many else 6, 4.5 if many else 4))
+    colors = plt.get_cmap("tab20" if len(series) > 10 else "tab10").colors
+    dashed = set(dashed)
     lengths: set[int] = set()
-    for label, results in series:
+    for index, (label, results) in enumerate(series):
         rows = sorted(results, key=lambda r: r["length"])
         lengths.update(r["length"] for r in rows)
-        ax.plot([r["length"] for r in rows], [r["ppl"] for r in rows], marker="o", label=label)
+        ax.plot([r["length"] for r in rows], [r["ppl"] for r in rows], marker="o", label=label,
+                color=colors[index % len(colors)], linestyle="--" if label in dashed else "-")
     ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
     ax.set_xticks(sorted(lengths), [_tokens(n) for n in sorted(lengths)])
-    ax.minorticks_off()
+    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
+
+    ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(ScalarFormatter())
+    ax.yaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("evaluation length (tokens)")
-    ax.set_ylabel("perplexity")
-    ax.grid(alpha=0.3)
-    ax.legend()
+    ax.set_ylabel("perplexity (log scale)")
+    ax.grid(alpha=0.3, which="both")
+    if many:
+        ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize="small")
+    else:
+        ax.legend()
     fig.tight_layout()
     return _save(fig, output)
 
