@@ -12,7 +12,8 @@ of s tokens (``j mod s``) and gives the query three positions, one per kind of k
 * inter-chunk (d > 1): query at ``c - 1``         -> distance ``c - 1 - b`` (>= c - s)
 
 so no distance reaches c. Every causal key stays visible: DCA changes positions, not the
-set of keys (``mask`` is plain causal attention).
+set of keys (``mask`` is plain causal attention), except in the paper's ablation with the
+intra-chunk piece alone (``pieces="intra"``), where a query sees its own chunk only.
 
 How it runs: RoPE is a rotation, so vectors already rotated at their true position p (what
 transformers hands an attention function) are moved to a target position t by rotating
