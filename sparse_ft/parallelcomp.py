@@ -53,6 +53,9 @@ class ParallelCompConfig:
 
     chunk_size: Optional[int] = None  # tokens per chunk; None: pretraining length - query length
     keep_chunks: int = 3  # priority-queue size K (LongBench 3; InfiniteBench retrieval 1)
+    # eq. 4's τ on I_c (nats, summed over the question): only chunks with I_c <= τ enter the
+    # queue; None = off (the paper's τ values are read as λ, see docs/parallelcomp.md)
+    self_information_threshold: Optional[float] = None
     batch_chunks: int = 4  # chunks encoded in one forward (memory knob; the paper runs 20 + 3)
     kv_budget: Optional[int] = None  # parallel KV eviction: tokens kept per chunk (paper: 2000); None = off
     score_window: int = 8  # last query tokens whose attention is accumulated (paper: 8)
@@ -70,6 +73,9 @@ class ParallelCompConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"parallelcomp: {name}={value!r} must be an integer >= 1 or None")
+        tau = self.self_information_threshold
+        if tau is not None and (isinstance(tau, bool) or not isinstance(tau, (int, float)) or not tau >= 0):
+            raise ValueError(f"parallelcomp: self_information_threshold={tau!r} must be a number >= 0 or None")
         if self.calibration_threshold is not None and not self.calibration_threshold > 0:
             raise ValueError(f"parallelcomp: calibration_threshold={self.calibration_threshold!r} must be > 0 or None")
         unknown = sorted(set(self.calibration_layers) - {"sink", "middle", "recency"})
@@ -235,12 +241,20 @@ def select(model, context_ids: Sequence[int], question_ids: Sequence[int], cfg: 
     spans = split_chunks(len(context), size)
     num_layers = config.num_hidden_layers
 
+    tau = cfg.self_information_threshold
+    best: list[tuple[float, int, Any]] = []  # the most relevant chunk, whatever τ says
+
     def stream():
         for lo in range(0, len(spans), cfg.batch_chunks):
             for offset, (info, length, layers) in enumerate(_encode(model, attn, spans[lo : lo + cfg.batch_chunks], context, question, cfg, num_layers)):
-                yield info, lo + offset, (length, layers)
+                item = (info, lo + offset, (length, layers))
+                best[:] = keep_lowest(best + [item], 1)
+                if tau is None or info <= tau:
+                    yield item
 
-    return keep_lowest(stream(), cfg.keep_chunks)
+    # when no chunk passes τ the question is still answered from the most relevant one,
+    # never from no context at all
+    return keep_lowest(stream(), cfg.keep_chunks) or best
 
 
 def generate(

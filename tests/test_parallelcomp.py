@@ -158,3 +158,20 @@ def test_cli_ppl_refuses_and_says_why(tmp_path, monkeypatch, capsys):
     code = main(["eval", "ppl", "--model", "tiny", "--data", "text.txt", "--method", "parallelcomp", "--lengths", "64"])
     err = capsys.readouterr().err
     assert code == 2 and "cannot report perplexity" in err and "query" in err
+
+
+def test_self_information_threshold_filters_before_the_queue(model):
+    """Eq. 4: only chunks with I_c <= τ enter the queue; if none does, the most relevant one
+    is kept rather than answering from no context."""
+    g = torch.Generator().manual_seed(2)
+    context = torch.randint(3, 259, (300,), generator=g).tolist()
+    question = torch.randint(3, 259, (10,), generator=g).tolist()
+    every = _kept(model, context, question, chunk_size=40, keep_chunks=100)
+    scores = sorted(info for info, _, _ in every)
+    tau = (scores[2] + scores[3]) / 2  # exactly three chunks pass
+    passed = _kept(model, context, question, chunk_size=40, keep_chunks=100, self_information_threshold=tau)
+    assert [i for _, i, _ in passed] == sorted(i for info, i, _ in every if info <= tau) and len(passed) == 3
+    none = _kept(model, context, question, chunk_size=40, keep_chunks=100, self_information_threshold=0.0)
+    assert [info for info, _, _ in none] == [scores[0]]
+    with pytest.raises(ValueError, match="self_information_threshold=-1"):
+        pc.ParallelCompConfig(self_information_threshold=-1)
