@@ -2,7 +2,8 @@
 exactly as the README says: the adapter it saves is complete (ZeRO-3 partitions every
 parameter; saving without gathering writes empty tensors), reloads with
 PeftModel.from_pretrained to the logits the trained model had, and a relaunch resumes from the
-last complete checkpoint to the same losses."""
+last complete checkpoint to the same losses; the same with ZeRO-3 offloading parameters and
+optimizer to the CPU (DeepSpeedCPUAdam, built by DeepSpeed on first use)."""
 
 import json
 import socket
@@ -24,10 +25,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch(out: Path, cache: Path) -> subprocess.CompletedProcess:
+def launch(out: Path, cache: Path, *extra: str) -> subprocess.CompletedProcess:
     launcher = Path(sys.executable).parent / "deepspeed"
     argv = [str(launcher), "--num_gpus", "2", "--master_port", str(free_port()), "train.py", "recipe=tiny", "attention.pattern=scca_flow",
-            "train.max_steps=4", "train.save_steps=2", *overrides(out, cache)]
+            "train.max_steps=4", "train.save_steps=2", *overrides(out, cache), *extra]
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done
@@ -51,6 +52,27 @@ def test_two_process_deepspeed_zero3_on_cpu_saves_a_complete_adapter_and_resumes
     for path in (out / "adapter_probe.safetensors", out / "train_summary.json"):
         path.unlink()
     done = launch(out, cache)
+    assert f"resumed from {out / 'checkpoint-2'} at step 2" in done.stdout
+    assert losses(out) == pytest.approx(first, abs=1e-5)
+    assert_adapter_reproduces_probe(out)
+
+
+@pytest.mark.slow
+def test_zero3_offload_to_cpu_saves_a_complete_adapter_and_resumes(tmp_path):
+    """The V100 16k recipe's setting (ZeRO-3 with parameter and optimizer offload) on CPU ranks."""
+    config = json.loads((ROOT / "ds_configs" / "zero3_cpu_fp32.json").read_text())
+    config["zero_optimization"] |= {"offload_optimizer": {"device": "cpu", "pin_memory": False},
+                                    "offload_param": {"device": "cpu", "pin_memory": False}}
+    ds_config = tmp_path / "zero3_offload_cpu_fp32.json"
+    ds_config.write_text(json.dumps(config))
+    out, cache = tmp_path / "ds", tmp_path / "cache"
+    launch(out, cache, f"deepspeed={ds_config}")
+    assert json.loads((out / "train_summary.json").read_text())["world_size"] == 2
+    assert_adapter_reproduces_probe(out)
+    first = losses(out)
+    for path in (out / "adapter_probe.safetensors", out / "train_summary.json"):
+        path.unlink()
+    done = launch(out, cache, f"deepspeed={ds_config}")
     assert f"resumed from {out / 'checkpoint-2'} at step 2" in done.stdout
     assert losses(out) == pytest.approx(first, abs=1e-5)
     assert_adapter_reproduces_probe(out)
