@@ -15,6 +15,12 @@ from sparse_ft.evaluation.report import write_json
 ROPE_NAMES = {"linear": "PI", "dynamic": "dynamic NTK", "yarn": "YaRN"}
 
 
+def _shown(path: str) -> str:
+    """A path inside the working directory as relative: the tables read the same in every clone."""
+    p = Path(path)
+    return str(p.relative_to(Path.cwd())) if p.is_absolute() and p.is_relative_to(Path.cwd()) else path
+
+
 def _by_pattern(rows: list[dict]) -> dict[str, list[dict]]:
     groups: dict[str, list[dict]] = defaultdict(list)
     for row in rows:
@@ -53,7 +59,7 @@ def tables(results: dict) -> str:
     rows, context, target = results["rows"], results["context"], results["target"]
     cfg = results["config"]
     out = [f"# Tiny-scale experiment: {context} -> {target} tokens", "",
-           f"Base: `{cfg['base']}` (context {context}). Fine-tuning: "
+           f"Base: `{_shown(cfg['base'])}` (context {context}). Fine-tuning: "
            f"{ROPE_NAMES[cfg.get('rope_method', 'linear')]} to {target} + LoRA+ through each pattern, "
            f"{cfg['steps']} steps each, seeds {cfg['seeds']}; evaluation with full attention, standard sliding-window "
            f"PPL (stride {context}, {cfg['ppl_windows']} windows per length) on held-out stdlib modules; passkey: "
