@@ -188,6 +188,7 @@ class Runner:
         name = f"{pattern}-seed{seed}"
         run_dir = Path(self.cfg.runs) / name
         recipe = self._recipe(pattern, seed, str(run_dir))
+        # "ppl_own_pattern": rows written before that column existed are re-evaluated
         settings = {"recipe": recipe.to_dict(), **self._eval_settings(), "ppl_own_pattern": True}
         key = _row_key("fine-tuned", settings)
         if (row := self._cached(name, key)) is not None:

@@ -242,18 +242,19 @@ def select(model, context_ids: Sequence[int], question_ids: Sequence[int], cfg: 
     num_layers = config.num_hidden_layers
 
     tau = cfg.self_information_threshold
-    best: list[tuple[float, int, Any]] = []  # the most relevant chunk, whatever τ says
+    best: list[tuple[float, int, Any]] = []  # with τ: the most relevant chunk, whatever τ says
 
     def stream():
         for lo in range(0, len(spans), cfg.batch_chunks):
             for offset, (info, length, layers) in enumerate(_encode(model, attn, spans[lo : lo + cfg.batch_chunks], context, question, cfg, num_layers)):
                 item = (info, lo + offset, (length, layers))
-                best[:] = keep_lowest(best + [item], 1)
                 if tau is None or info <= tau:
                     yield item
+                else:
+                    best[:] = keep_lowest(best + [item], 1)
 
-    # when no chunk passes τ the question is still answered from the most relevant one,
-    # never from no context at all
+    # when no chunk passes τ the question is still answered from the most relevant one
+    # (then every chunk was rejected, so ``best`` saw them all), never from no context
     return keep_lowest(stream(), cfg.keep_chunks) or best
 
 

@@ -82,7 +82,7 @@ def test_committed_checkpoint_loads_with_the_stated_shapes():
 
 def test_committed_checkpoint_retrieves_a_passkey_inside_its_window():
     """What the experiment's passkey columns rely on: the base finds the key when the whole
-    prompt fits in its 256 tokens (and, as its stats record, not past them untouched)."""
+    prompt and the answer fit in its 256 tokens."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from sparse_ft.evaluation import methods, passkey
