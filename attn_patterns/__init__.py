@@ -6,14 +6,17 @@
     >>> pattern.mask(16, 8)             # bool (H, N, N), for tests and pictures
 
 Every pattern equals dense softmax attention restricted to its visible keys, intersected
-with causality; the fast path never builds N×N tensors.
+with causality; the fast path never builds N×N tensors. This package imports neither
+transformers nor ``sparse_ft``: the model glue is ``sparse_ft.methods``.
 """
 
-from attn_patterns.base import Pattern
-from attn_patterns.registry import build, get, names, register
+from attn_patterns.base import PATTERNS, Pattern, register
 
-__all__ = ["Pattern", "build", "get", "names", "register"]
-
-# Training-free methods register themselves on import; they depend only on base/registry.
+# the modules whose patterns register themselves on import
+from attn_patterns import patterns as _patterns  # noqa: E402,F401
 from attn_patterns import dca as _dca  # noqa: E402,F401
 from attn_patterns import longheads as _longheads  # noqa: E402,F401
+
+get, names, build = PATTERNS.get, PATTERNS.names, PATTERNS.build
+
+__all__ = ["PATTERNS", "Pattern", "build", "get", "names", "register"]

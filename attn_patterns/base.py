@@ -10,12 +10,12 @@ the mask_mod ``rule`` instead.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Optional
 
 import torch
 
 from attn_patterns.kernels import resolve_backend
+from attn_patterns.registry import Registry
 
 Keys = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -25,9 +25,11 @@ def chunk_size(n: int, chunks: int) -> int:
     return -(-n // chunks)
 
 
-def check_positive(name: str, value: Any, pattern: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{pattern}: {name}={value!r} must be an integer >= 1")
+def check_int(name: str, value: Any, owner: str, least: int = 1) -> int:
+    """Every integer parameter of every pattern and method is checked here, so a recipe
+    value of the wrong type (``true``, ``2.5``) fails with the same message everywhere."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        raise ValueError(f"{owner}: {name}={value!r} must be an integer >= {least}")
     return value
 
 
@@ -38,12 +40,17 @@ class Pattern:
     still no N×N tensor). Causality is added to either, always. ``forward`` is the fast
     path. ``head_multiple`` is the number the head count must be divisible by (``head_rule``
     says why); ``native_gqa`` says ``forward`` accepts K/V with fewer heads than q
-    (otherwise ``__call__`` repeats them first)."""
+    (otherwise ``__call__`` repeats them first). ``static``: the visible set is the rule's
+    and ``__call__`` takes q/k rotated at their true positions, so any model can run the
+    pattern through the one static-pattern adapter (``sparse_ft.methods``); patterns that
+    move positions or pick keys from the data (DCA, LongHeads) are not, and come with a
+    method of their own."""
 
     name: str = "pattern"
     head_multiple: int = 1
     head_rule: str = "the pattern splits heads into groups"
     native_gqa: bool = False
+    static: bool = True
 
     def __init__(self, backend: Optional[str] = None, **params: Any) -> None:
         self.backend = backend
@@ -150,5 +157,5 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"num_heads={h} must be a multiple of kv_heads={k.shape[1]} (grouped-query attention)")
 
 
-def softmax_scale(d: int) -> float:
-    return 1.0 / math.sqrt(d)
+PATTERNS: Registry[Pattern] = Registry("pattern", Pattern)
+register = PATTERNS.register

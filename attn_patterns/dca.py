@@ -34,48 +34,39 @@ from typing import Any, Optional
 
 import torch
 
-from attn_patterns.base import Keys, Pattern, _check_qkv
-from attn_patterns.registry import register
-from attn_patterns.rotary import default_inv_freq, rope_inv_freq, rotate  # noqa: F401 (re-exported)
+from attn_patterns.base import Keys, Pattern, _check_qkv, check_int, register
+from attn_patterns.kernels import LSE_BACKENDS, attend_lse, lse_backend, merge_lse
+from attn_patterns.rotary import default_inv_freq, rotate
 
-BACKENDS = ("sdpa", "math")
 VARIANTS = ("paper", "chunkllama")
 # the paper's ablation (its Figure 4): intra-chunk alone is chunked local attention (low PPL,
 # no retrieval across chunks); adding inter-chunk sees every key but from c - 1 only (retrieval
 # back, locality lost); successive-chunk restores the true distance of the w nearest keys.
 PIECES = ("intra", "intra+inter", "intra+inter+successive")
-# RoPE types whose frequencies change with the input length: re-positioning keys rotated
-# at an earlier call (the KV cache) with other frequencies cannot be exact.
 
 
 # --- positions --------------------------------------------------------------------------
-def _int_param(name: str, value: Any, least: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < least:
-        raise ValueError(f"dca: {name}={value!r} must be an integer >= {least}")
-    return value
-
-
 def resolve(
     pretraining_length: int, chunk_size: Optional[int] = None, local_window: Optional[int] = None, variant: str = "paper"
 ) -> tuple[int, int, int]:
     """``(s, w, c)`` with the defaults s = 3c/4 and w = c - s (paper; ChunkLlama's code: w =
     c/16), checked so that every relative position stays below c."""
-    c = _int_param("pretraining_length", pretraining_length, 2)
-    s = (3 * c) // 4 if chunk_size is None else _int_param("chunk_size", chunk_size, 1)
+    c = check_int("pretraining_length", pretraining_length, "dca", 2)
+    s = (3 * c) // 4 if chunk_size is None else check_int("chunk_size", chunk_size, "dca", 1)
     if s >= c:
         raise ValueError(
             f"dca: chunk_size={s} must be < pretraining_length={c} (inter-chunk queries sit at "
             f"c - 1 = {c - 1}, after every key position 0..chunk_size-1); the paper uses 3c/4 = {(3 * c) // 4}"
         )
     if variant == "chunkllama":
-        w = c // 16 if local_window is None else _int_param("local_window", local_window, 0)
+        w = c // 16 if local_window is None else check_int("local_window", local_window, "dca", 0)
         if w >= s:
             raise ValueError(
                 f"dca: local_window={w} must be < chunk_size={s} for variant='chunkllama' "
                 "(its chunks hold chunk_size - local_window tokens)"
             )
         return s, w, c
-    w = c - s if local_window is None else _int_param("local_window", local_window, 0)
+    w = c - s if local_window is None else check_int("local_window", local_window, "dca", 0)
     if w > c - s:
         raise ValueError(
             f"dca: local_window={w} must be <= pretraining_length - chunk_size = {c - s} "
@@ -116,85 +107,6 @@ def relative_positions(n: int, s: int, w: int, c: int, variant: str = "paper", p
     return torch.where(seen, rel, torch.full_like(rel, -1))
 
 
-# --- kernels: attention of a query block with its log-sum-exp ---------------------------
-def _fused_available(q: torch.Tensor) -> bool:
-    return q.device.type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
-
-
-def _fold(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """(B, H, L, D) -> (B, Hkv, G·L, D): grouped queries share their key head, so a
-    non-causal attention needs no copy of K and V per query head."""
-    b, h, l, d = q.shape
-    return q.reshape(b, kv_heads, (h // kv_heads) * l, d)
-
-
-def _unfold(x: torch.Tensor, heads: int) -> torch.Tensor:
-    """Inverse of :func:`_fold` for outputs (B, Hkv, G·L, D) and LSEs (B, Hkv, G·L)."""
-    return x.reshape(x.shape[0], heads, -1, *x.shape[3:])
-
-
-def _attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, offset: Optional[int], backend: str, block: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """q (B,H,L,D) vs k/v (B,Hkv,Lk,D) -> output (B,H,L,D) and LSE (B,H,L) fp32. Query row u
-    sees key row t when ``t <= u + offset`` (None: every key)."""
-    h, hkv = q.shape[1], k.shape[1]
-    l, lk = q.shape[2], k.shape[2]
-    if backend == "sdpa":
-        op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-        if offset is None:
-            out, lse = op(_fold(q, hkv), k, v, 0.0, False, scale=scale)
-            return _unfold(out, h), _unfold(lse, h)
-        groups = h // hkv
-        k, v = (x.repeat_interleave(groups, dim=1) if groups > 1 else x for x in (k, v))
-        if offset == 0 and l == lk:
-            return op(q, k, v, 0.0, True, scale=scale)
-        # the kernel takes additive masks only: -inf where key t > u + offset
-        bias = torch.full((l, lk), float("-inf"), dtype=q.dtype, device=q.device).triu(offset + 1)
-        return op(q, k, v, 0.0, False, attn_mask=bias, scale=scale)
-    return _attend_math(q, k, v, scale, offset, block)
-
-
-def _attend_math(q, k, v, scale, offset, block):
-    """Pure matmul fallback (any device, differentiable): keys in blocks of ``block`` rows
-    with a running max and sum in fp32, so memory stays O(L·block)."""
-    h, hkv = q.shape[1], k.shape[1]
-    qf = _fold(q, hkv).float() * scale
-    groups, l = h // hkv, q.shape[2]
-    rows = torch.arange(l, device=q.device).repeat(groups)[:, None]  # folded row -> query row
-    top = lse = acc = None
-    for start in range(0, k.shape[2], block):
-        kb, vb = k[:, :, start : start + block].float(), v[:, :, start : start + block].float()
-        scores = qf @ kb.transpose(-1, -2)
-        if offset is not None:
-            cols = torch.arange(start, start + kb.shape[2], device=q.device)[None, :]
-            scores = scores.masked_fill(cols > rows + offset, float("-inf"))
-        m = scores.amax(-1, keepdim=True)
-        if top is None:
-            top = m
-            p = (scores - top).exp()
-            lse, acc = p.sum(-1, keepdim=True), p @ vb
-        else:
-            new = torch.maximum(top, m)
-            fade, p = (top - new).exp(), (scores - new).exp()
-            lse, acc = lse * fade + p.sum(-1, keepdim=True), acc * fade + p @ vb
-            top = new
-    out = (acc / lse).to(q.dtype)
-    return _unfold(out, h), _unfold((lse.log() + top).squeeze(-1), h)
-
-
-def _merge(pieces: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """Exact softmax over the union of the pieces' keys from their outputs and LSEs, folded
-    in pairwise: ``o = lerp(o_b, o_a, σ(lse_a − lse_b))``, the weights in fp32."""
-    out, lse = pieces[0][0], pieces[0][1].float()
-    for o, piece_lse in pieces[1:]:
-        piece_lse = piece_lse.float()
-        weight = torch.sigmoid(lse - piece_lse).unsqueeze(-1)  # share of the keys merged so far
-        out = torch.lerp(o.float(), out.float(), weight)
-        lse = torch.logaddexp(lse, piece_lse)
-    return out.to(pieces[0][0].dtype)
-
-
 def dca_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -227,7 +139,7 @@ def dca_attention(
     nq, nk = q.shape[2], k.shape[2]
     start = nk - nq
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    backend = _backend(backend, q, k, v)
+    backend = lse_backend(backend, q, k, v, "dca")
     step = s - w if variant == "chunkllama" else s  # the length keys repeat their positions with
     near = min(step, w + 1 if variant == "chunkllama" else w)  # rows whose successive distance is true
     inter_at = min(2 * step - 1, s) if variant == "chunkllama" else c - 1
@@ -244,11 +156,11 @@ def dca_attention(
             whole = k[:, :, : chunks * step].reshape(*k.shape[:2], chunks, step, k.shape[-1])
             shift = -step * torch.arange(chunks, device=dev)[:, None]
             k_far.append(rotate(whole, shift, inv_freq).flatten(2, 3))
-        return _attend(rotate(q[:, :, rows], at - pos, inv_freq), k_far[0][:, :, keys], v[:, :, keys], scale, None, backend, step)
+        return attend_lse(rotate(q[:, :, rows], at - pos, inv_freq), k_far[0][:, :, keys], v[:, :, keys], scale, None, backend, step)
 
     for m in range(start // step, (nk - 1) // step + 1):
         lo, hi = max(m * step, start), min((m + 1) * step, nk)
-        intra = _attend(q[:, :, lo - start : hi - start], k[:, :, m * step : hi], v[:, :, m * step : hi],
+        intra = attend_lse(q[:, :, lo - start : hi - start], k[:, :, m * step : hi], v[:, :, m * step : hi],
                         scale, lo - m * step, backend, step)
         if m == 0 or pieces == "intra":
             out[:, :, lo - start : hi - start] = intra[0]
@@ -260,37 +172,28 @@ def dca_attention(
             rows, pos = slice(g_lo - start, g_hi - start), torch.arange(g_lo, g_hi, device=dev)
             parts = [(intra[0][:, :, g_lo - lo : g_hi - lo], intra[1][:, :, g_lo - lo : g_hi - lo])]
             if is_near:  # successive chunk at the true distance: the model's own rotation
-                parts.append(_attend(q[:, :, rows], k[:, :, prev], v[:, :, prev], scale, None, backend, step))
+                parts.append(attend_lse(q[:, :, rows], k[:, :, prev], v[:, :, prev], scale, None, backend, step))
             elif succ_at == inter_at:  # previous chunk and all before seen from one position
                 parts.append(far(rows, pos, slice(0, m * step), inter_at))
             else:
                 parts.append(far(rows, pos, prev, succ_at))
             if m >= 2 and (is_near or succ_at != inter_at):
                 parts.append(far(rows, pos, before, inter_at))
-            out[:, :, rows] = _merge(parts)
+            out[:, :, rows] = merge_lse(parts)
     return out
 
 
-def _backend(backend: Optional[str], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
-    """Auto: torch's fused CPU kernel (it returns the LSE) for inference; the matmul path
-    when gradients are needed (the LSE merge must be differentiated) or off CPU."""
-    if backend is None:
-        grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
-        return "sdpa" if _fused_available(q) and not grad else "math"
-    if backend not in BACKENDS:
-        raise ValueError(f"dca: backend={backend!r} is unknown; allowed: {', '.join(BACKENDS)} or None (automatic)")
-    if backend == "sdpa" and not _fused_available(q):
-        raise ValueError("dca: backend='sdpa' needs CPU tensors (torch's fused CPU kernel returns the LSE); use backend='math'")
-    return backend
-
-
 # --- the pattern ------------------------------------------------------------------------
+@register
 class DualChunkAttention(Pattern):
     """DCA with chunk size s, local window w and pretraining length c; any left as None is
     taken from the model (c = ``config.max_position_embeddings``, the context the model
-    handles with its current RoPE) and the paper's defaults (s = 3c/4, w = c - s)."""
+    handles with its current RoPE) and the paper's defaults (s = 3c/4, w = c - s).
+    ``variant='chunkllama'`` reproduces the authors' public code instead of the paper's
+    equations; ``pieces`` is the paper's ablation (``PIECES``)."""
 
     name = "dca"
+    static = False
 
     def __init__(
         self,
@@ -305,12 +208,12 @@ class DualChunkAttention(Pattern):
             raise ValueError(f"dca: variant={variant!r} is unknown; allowed: {', '.join(VARIANTS)}")
         if pieces not in PIECES:
             raise ValueError(f"dca: pieces={pieces!r} is unknown; allowed: {', '.join(PIECES)}")
-        if backend is not None and backend not in BACKENDS:
-            raise ValueError(f"dca: backend={backend!r} is unknown; allowed: {', '.join(BACKENDS)} or None (automatic)")
+        if backend is not None and backend not in LSE_BACKENDS:
+            raise ValueError(f"dca: backend={backend!r} is unknown; allowed: {', '.join(LSE_BACKENDS)} or None (automatic)")
         if chunk_size is not None:
-            _int_param("chunk_size", chunk_size, 1)
+            check_int("chunk_size", chunk_size, "dca", 1)
         if local_window is not None:
-            _int_param("local_window", local_window, 0)
+            check_int("local_window", local_window, "dca", 0)
         if pretraining_length is not None:
             resolve(pretraining_length, chunk_size, local_window, variant)
         super().__init__(backend=backend, chunk_size=chunk_size, local_window=local_window,
@@ -352,61 +255,3 @@ class DualChunkAttention(Pattern):
         q, k = rotate(q, pos, inv_freq), rotate(k, pos, inv_freq)
         return dca_attention(q, k, v, inv_freq, s, w, c, backend=backend or self.backend, variant=self.variant,
                              pieces=self.pieces)
-
-    # --- transformers AttentionInterface hook -------------------------------------------
-    def attend_hf(
-        self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-        attention_mask: Optional[torch.Tensor], scaling: Optional[float] = None, dropout: float = 0.0, **kwargs: Any,
-    ) -> tuple[torch.Tensor, None]:
-        """Prefill, chunked prefill and cached decoding in one path: the ``Nq`` new queries
-        are the last of ``Nk`` positions, everything rotated at its true position."""
-        if dropout:
-            raise ValueError(f"dca: attention dropout={dropout} is not supported; DCA is training-free (set model.eval())")
-        nq, nk = query.shape[2], key.shape[2]
-        if attention_mask is not None:
-            if attention_mask.dim() != 2:
-                raise ValueError(
-                    f"dca: expected the 2-D padding mask, got attention_mask of shape {tuple(attention_mask.shape)}"
-                )
-            mask = attention_mask.bool()
-            if bool((mask[:, 1:] & ~mask[:, :-1]).any()):
-                raise ValueError(
-                    "dca supports right padding only (a real token follows a padding token); "
-                    "set tokenizer.padding_side='right'"
-                )
-        window = kwargs.get("sliding_window")
-        if window is not None and window < nk:
-            raise ValueError(
-                f"dca: sliding_window={window} is shorter than the sequence ({nk}); DCA assumes global causal attention"
-            )
-        positions = kwargs.get("position_ids")
-        if positions is not None:
-            expected = torch.arange(nk - nq, nk, device=positions.device)
-            if positions.shape[-1] != nq or not bool((positions == expected).all()):
-                raise ValueError(
-                    "dca: position_ids must be the token indices (0..N-1 over the cache); packed sequences and left "
-                    "padding are not supported"
-                )
-        config = module.config
-        s, w, c = self.sizes(int(config.max_position_embeddings))
-        inv_freq = rope_inv_freq(config, "dca").to(query.device)
-        out = dca_attention(query, key, value, inv_freq, s, w, c, scale=scaling, backend=self.backend,
-                            variant=self.variant, pieces=self.pieces)
-        return out.transpose(1, 2).contiguous(), None
-
-
-def dca(
-    chunk_size: Optional[int] = None,
-    local_window: Optional[int] = None,
-    pretraining_length: Optional[int] = None,
-    variant: str = "paper",
-    backend: Optional[str] = None,
-    pieces: str = PIECES[-1],
-) -> DualChunkAttention:
-    """Dual Chunk Attention; see :class:`DualChunkAttention`. ``variant='chunkllama'``
-    reproduces the authors' public code instead of the paper's equations; ``pieces`` is the
-    paper's ablation (``PIECES``)."""
-    return DualChunkAttention(chunk_size, local_window, pretraining_length, variant, backend, pieces)
-
-
-register("dca", dca)

@@ -134,3 +134,110 @@ def chunk(x: torch.Tensor, size: int) -> torch.Tensor:
 
 def unchunk(x: torch.Tensor, n: int) -> torch.Tensor:
     return x.flatten(2, 3)[:, :, :n]
+
+
+# --- attention with its log-sum-exp, and the exact merge of such pieces ----------------------
+# Methods that give one query several sets of keys at different positions (DCA's three pieces,
+# LongHeads' re-positioned chunks) compute each set's attention apart and merge them exactly:
+# softmax over a union of key sets is a log-sum-exp-weighted mix of the per-set softmaxes.
+
+LSE_BACKENDS = ("sdpa", "math")
+
+
+def _fused_lse_available(q: torch.Tensor) -> bool:
+    return q.device.type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+
+
+def lse_backend(backend: Optional[str], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, owner: str) -> str:
+    """Auto: torch's fused CPU kernel (it returns the LSE) for inference; the matmul path
+    when gradients are needed (the LSE merge must be differentiated) or off CPU."""
+    if backend is None:
+        grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+        return "sdpa" if _fused_lse_available(q) and not grad else "math"
+    if backend not in LSE_BACKENDS:
+        raise ValueError(f"{owner}: backend={backend!r} is unknown; allowed: {', '.join(LSE_BACKENDS)} or None (automatic)")
+    if backend == "sdpa" and not _fused_lse_available(q):
+        raise ValueError(f"{owner}: backend='sdpa' needs CPU tensors (torch's fused CPU kernel returns the LSE); use backend='math'")
+    return backend
+
+
+def _fold(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """(B, H, L, D) -> (B, Hkv, G·L, D): grouped queries share their key head, so a
+    non-causal attention needs no copy of K and V per query head."""
+    b, h, l, d = q.shape
+    return q.reshape(b, kv_heads, (h // kv_heads) * l, d)
+
+
+def _unfold(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """Inverse of :func:`_fold` for outputs (B, Hkv, G·L, D) and LSEs (B, Hkv, G·L)."""
+    return x.reshape(x.shape[0], heads, -1, *x.shape[3:])
+
+
+def attend_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, offset: Optional[int], backend: str, block: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (B,H,L,D) vs k/v (B,Hkv,Lk,D) -> output (B,H,L,D) and LSE (B,H,L) fp32. Query row u
+    sees key row t when ``t <= u + offset`` (None: every key). ``backend`` from
+    :func:`lse_backend`; ``block`` bounds the math path's memory to O(L·block)."""
+    h, hkv = q.shape[1], k.shape[1]
+    l, lk = q.shape[2], k.shape[2]
+    if backend == "sdpa":
+        op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        if offset is None:
+            out, lse = op(_fold(q, hkv), k, v, 0.0, False, scale=scale)
+            return _unfold(out, h), _unfold(lse, h)
+        groups = h // hkv
+        k, v = (x.repeat_interleave(groups, dim=1) if groups > 1 else x for x in (k, v))
+        if offset == 0 and l == lk:
+            return op(q, k, v, 0.0, True, scale=scale)
+        # the kernel takes additive masks only: -inf where key t > u + offset
+        bias = torch.full((l, lk), float("-inf"), dtype=q.dtype, device=q.device).triu(offset + 1)
+        return op(q, k, v, 0.0, False, attn_mask=bias, scale=scale)
+    return _attend_lse_math(q, k, v, scale, offset, block)
+
+
+def _attend_lse_math(q, k, v, scale, offset, block):
+    """Pure matmul path (any device, differentiable): keys in blocks of ``block`` rows with
+    a running max and sum in fp32."""
+    h, hkv = q.shape[1], k.shape[1]
+    qf = _fold(q, hkv).float() * scale
+    groups, l = h // hkv, q.shape[2]
+    rows = torch.arange(l, device=q.device).repeat(groups)[:, None]  # folded row -> query row
+    top = lse = acc = None
+    for start in range(0, k.shape[2], block):
+        kb, vb = k[:, :, start : start + block].float(), v[:, :, start : start + block].float()
+        scores = qf @ kb.transpose(-1, -2)
+        if offset is not None:
+            cols = torch.arange(start, start + kb.shape[2], device=q.device)[None, :]
+            scores = scores.masked_fill(cols > rows + offset, float("-inf"))
+        m = scores.amax(-1, keepdim=True)
+        if top is None:
+            top = m
+            p = (scores - top).exp()
+            lse, acc = p.sum(-1, keepdim=True), p @ vb
+        else:
+            new = torch.maximum(top, m)
+            fade, p = (top - new).exp(), (scores - new).exp()
+            lse, acc = lse * fade + p.sum(-1, keepdim=True), acc * fade + p @ vb
+            top = new
+    out = (acc / lse).to(q.dtype)
+    return _unfold(out, h), _unfold((lse.log() + top).squeeze(-1), h)
+
+
+def merge_lse(pieces: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Exact softmax over the union of the pieces' keys from their outputs and LSEs, folded
+    in pairwise: ``o = lerp(o_b, o_a, σ(lse_a − lse_b))``, the weights in fp32. The result
+    has the first piece's dtype."""
+    out, lse = pieces[0][0], pieces[0][1].float()
+    for o, piece_lse in pieces[1:]:
+        piece_lse = piece_lse.float()
+        weight = torch.sigmoid(lse - piece_lse).unsqueeze(-1)  # share of the keys merged so far
+        out = torch.lerp(o.float(), out.float(), weight)
+        lse = torch.logaddexp(lse, piece_lse)
+    return out.to(pieces[0][0].dtype)
+
+
+def auto_backend(half_precision: bool, allowed: tuple[Optional[str], ...] = (None, *BACKENDS)) -> str:
+    """``auto``: flash-attn where it can run (installed, CUDA, half precision) and ``allowed``
+    has it, SDPA elsewhere. Resolved on the machine that runs, so a saved recipe names what ran."""
+    return "flash" if "flash" in allowed and half_precision and flash_available() else "sdpa"

@@ -36,8 +36,8 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from attn_patterns.base import Pattern, check_positive
-from attn_patterns.registry import register
+from attn_patterns.base import Pattern, check_int, register
+from attn_patterns.kernels import attend_lse, lse_backend, merge_lse
 from attn_patterns.rotary import rotate as rerotate
 
 # Elements of one gathered key block (rows × l × D per head): bounds memory independently of N.
@@ -62,29 +62,33 @@ def chunk_representations(
     return F.scaled_dot_product_attention(pooled, kl, kl).squeeze(-2)
 
 
+@register
 class LongHeads(Pattern):
-    """Per-head chunk selection with position remapping. ``chunks`` is k (chunks per head,
-    first and local included), ``chunk_size`` is l."""
+    """Per-head chunk selection with position remapping: chunk size l (paper: 256) and k
+    chunks per head, first and local included (default: as many as fit the pretraining
+    length, k = L // l; the paper's 4k Llama-2 runs use k·l = 2k or 4k). ``keep_previous``
+    also forces the chunk before the query's own, as the authors' code does."""
 
     name = "longheads"
+    static = False
 
     def __init__(
         self, chunk_size: int = 256, chunks: Optional[int] = None, pretraining_length: Optional[int] = None,
         keep_previous: bool = False,
     ) -> None:
-        check_positive("chunk_size", chunk_size, self.name)
+        check_int("chunk_size", chunk_size, self.name)
         if not isinstance(keep_previous, bool):
             raise ValueError(f"{self.name}: keep_previous={keep_previous!r} must be true or false")
         least = 3 if keep_previous else 2
         if chunks is not None:
-            check_positive("chunks", chunks, self.name)
+            check_int("chunks", chunks, self.name)
             if chunks < least:
                 raise ValueError(
                     f"{self.name}: chunks={chunks} must be >= {least} (the first, "
                     f"{'the previous ' if keep_previous else ''}and the local chunk are always kept)"
                 )
         if pretraining_length is not None:
-            check_positive("pretraining_length", pretraining_length, self.name)
+            check_int("pretraining_length", pretraining_length, self.name)
         super().__init__(chunk_size=chunk_size, chunks=chunks, pretraining_length=pretraining_length, keep_previous=keep_previous)
         self.keep_previous = keep_previous
         self.chunk_size = chunk_size
@@ -128,14 +132,6 @@ class LongHeads(Pattern):
             raise ValueError(f"{self.name}: pass chunks= or pretraining_length= to know k")
         reps = chunk_representations(*_whole(q, k, v, self.chunk_size), self.chunk_size, 0, inv_freq)
         return attend(q, k, v, reps, self.chunk_size, k_chunks, inv_freq, 1.0 / math.sqrt(q.shape[-1]), self.keep_previous)
-
-    # --- transformers AttentionInterface hook -------------------------------------------
-    def attend_hf(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
-        """Called by ``sparse_ft.use_attention``; positions, cache state and RoPE frequencies
-        come from the model, so the glue lives with the model code."""
-        from sparse_ft.longheads import attend_hf
-
-        return attend_hf(self, module, *args, **kwargs)
 
 
 def _whole(q, k, v, l):
@@ -190,46 +186,21 @@ def attend(
 
 
 def _block(q, k, v, sel, m, lo, l, slots, inv_freq, scale, bi, hi) -> torch.Tensor:
-    """Rows ``lo..`` of chunk m: one softmax over the causal part of chunk m and the selected
-    earlier chunks (re-positioned), accumulated slot by slot (online softmax, fp32) so only
-    one gathered chunk per row exists at a time."""
-    n = q.shape[2]
-    dev = q.device
-    groups = q.shape[1] // k.shape[1]
+    """Rows ``lo..`` of chunk m: the causal part of chunk m at its true distances, then each
+    selected earlier chunk re-positioned, each piece with its log-sum-exp, merged exactly
+    (:func:`kernels.merge_lse`); one gathered chunk per row exists at a time."""
+    own = slice(m * l, min((m + 1) * l, k.shape[2]))
     # own chunk: true relative positions are kept, so no rotation
-    own = torch.arange(m * l, min((m + 1) * l, k.shape[2]), device=dev)
-    k_own = k[:, :, own].float().repeat_interleave(groups, dim=1)
-    v_own = v[:, :, own].float().repeat_interleave(groups, dim=1)
-    s_own = torch.einsum("bhid,bhjd->bhij", q.float(), k_own) * scale
-    causal = own[None, :] <= torch.arange(lo, lo + n, device=dev)[:, None]
-    s_own = s_own.masked_fill(~causal, float("-inf"))
-    top = s_own.amax(-1, keepdim=True)  # finite: every row sees itself
-    p_own = (s_own - top).exp()
-    total, acc = p_own.sum(-1, keepdim=True), p_own.matmul(v_own)
-    offsets = torch.arange(l, device=dev)
+    pieces = [attend_lse(q, k[:, :, own], v[:, :, own], scale, lo - m * l, lse_backend(None, q, k, v, "longheads"), l)]
+    offsets = torch.arange(l, device=q.device)
     for r in range(slots):
         # slot r holds chunk s = sel[..., r]; its distance to the query changes by
         # ((R - r) - (m - s))·l, applied to the query instead of the l keys
         chunk = sel[..., r]
         q_r = rerotate(q, ((slots - r) - (m - chunk)) * l, inv_freq).float()
         idx = (chunk * l).unsqueeze(-1) + offsets  # (B,H,n,l)
-        k_r = k[bi, hi, idx].float()  # (B,H,n,l,D)
-        s_r = torch.einsum("bhid,bhijd->bhij", q_r, k_r) * scale
-        new_top = torch.maximum(top, s_r.amax(-1, keepdim=True))
-        fade, p_r = (top - new_top).exp(), (s_r - new_top).exp()
-        total = total * fade + p_r.sum(-1, keepdim=True)
-        acc = acc * fade + torch.einsum("bhij,bhijd->bhid", p_r, v[bi, hi, idx].float())
-        top = new_top
-    return (acc / total).to(q.dtype)
-
-
-def longheads(
-    chunk_size: int = 256, chunks: Optional[int] = None, pretraining_length: Optional[int] = None, keep_previous: bool = False
-) -> LongHeads:
-    """LongHeads with chunk size l (paper: 256) and k chunks per head (default: as many as
-    fit the pretraining length, k = L // l; the paper's 4k Llama-2 runs use k·l = 2k or 4k).
-    ``keep_previous`` also forces the chunk before the query's own, as the authors' code does."""
-    return LongHeads(chunk_size=chunk_size, chunks=chunks, pretraining_length=pretraining_length, keep_previous=keep_previous)
-
-
-register("longheads", longheads)
+        scores = torch.einsum("bhid,bhijd->bhij", q_r, k[bi, hi, idx].float()) * scale
+        lse = scores.logsumexp(-1)
+        out = torch.einsum("bhij,bhijd->bhid", (scores - lse.unsqueeze(-1)).exp(), v[bi, hi, idx].float())
+        pieces.append((out, lse))
+    return merge_lse(pieces)

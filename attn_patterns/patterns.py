@@ -12,7 +12,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 import torch.nn.functional as F
 
-from attn_patterns.base import Keys, Pattern, check_positive, chunk_size
+from attn_patterns.base import PATTERNS, Keys, Pattern, check_int, chunk_size, register
 from attn_patterns.kernels import BACKENDS, block_attention, chunk, unchunk
 
 
@@ -50,10 +50,14 @@ class _Builtin(Pattern):
         super().__init__(backend, **params)
 
 
+@register
 class Causal(_Builtin):
     """``full``: every earlier key."""
 
     name = "full"
+
+    def __init__(self, backend: Optional[str] = None) -> None:
+        super().__init__(backend)
 
     def keys(self, h, i, n, num_heads) -> Keys:
         return torch.zeros_like(i), i, torch.ones_like(i)
@@ -64,7 +68,7 @@ class Causal(_Builtin):
 
 class _Chunked(_Builtin):
     def __init__(self, chunks: int = 4, backend: Optional[str] = None) -> None:
-        super().__init__(backend, chunks=check_positive("chunks", chunks, self.name))
+        super().__init__(backend, chunks=check_int("chunks", chunks, self.name))
         self.chunks = chunks
 
     def sizes(self, n: int) -> tuple[int, int]:
@@ -171,6 +175,7 @@ class LaggedChunk(_Chunked):
         return unchunk(torch.cat([first, rest], dim=2), n)
 
 
+@register
 class Dilated(_Builtin):
     """``sda``: head h takes offset r = h % dilation; queries and keys ≡ r (mod dilation)
     attend causally among themselves (LongNet dilation over the whole sequence); the other
@@ -179,7 +184,7 @@ class Dilated(_Builtin):
     name = "sda"
 
     def __init__(self, dilation: int = 2, backend: Optional[str] = None) -> None:
-        super().__init__(backend, dilation=check_positive("dilation", dilation, self.name))
+        super().__init__(backend, dilation=check_int("dilation", dilation, self.name))
         self.dilation = dilation
 
     def keys(self, h, i, n, num_heads) -> Keys:
@@ -229,8 +234,6 @@ class Mixed(_Builtin):
         head_rule: str = "",
         **params: Any,
     ) -> None:
-        from attn_patterns.registry import build
-
         self.name = name
         self.head_multiple, self.head_rule = head_multiple, head_rule
         if not parts:
@@ -242,7 +245,7 @@ class Mixed(_Builtin):
             spec, share = entry
             if not isinstance(share, (int, float)) or not 0 < share <= 1:
                 raise ValueError(f"{name}: share={share!r} of {spec!r} must be a number in (0, 1]")
-            built.append(build(spec))
+            built.append(PATTERNS.build(spec))
             shares.append(float(share))
         if abs(sum(shares) - 1.0) > 1e-6:
             raise ValueError(f"{name}: shares={shares} must sum to 1 (they sum to {sum(shares):g})")
@@ -316,31 +319,31 @@ def _kv_heads(k, v, start: int, end: int, groups: int, native: bool):
 # --- the published patterns -----------------------------------------------------------------
 
 
+@register
 def s2(chunks: int = 4, backend: Optional[str] = None) -> Mixed:
     """LongLoRA S²: half the heads in chunks, half in chunks shifted by g."""
     parts = [(Local(chunks), 0.5), (ShiftedChunks(chunks), 0.5)]
     return Mixed(parts, backend, "s2", 2, "half the heads in chunks, half in shifted chunks", chunks=chunks)
 
 
+@register
 def scca_fixed(chunks: int = 4, backend: Optional[str] = None) -> Mixed:
     """SCCA fixed: heads [0, H/2) see keys rolled by g, heads [H/2, H) their own chunk."""
     parts = [(RolledKeys(chunks), 0.5), (Local(chunks), 0.5)]
     return Mixed(parts, backend, "scca_fixed", 2, "half the heads on shifted keys, half in chunks", chunks=chunks)
 
 
+@register
 def scca_flow(chunks: int = 4, backend: Optional[str] = None) -> Mixed:
     """SCCA flow: ``chunks`` head groups, group k looks k chunks back, so across the heads every
     query chunk reaches each of the ``chunks`` chunks up to itself."""
-    check_positive("chunks", chunks, "scca_flow")
+    check_int("chunks", chunks, "scca_flow")
     parts = [(LaggedChunk(chunks, lag), 1.0 / chunks) for lag in range(chunks)]
     rule = f"one group of num_heads/chunks heads per look-back 0..{chunks - 1}; lower chunks or change heads"
     return Mixed(parts, backend, "scca_flow", chunks, rule, chunks=chunks)
 
 
-def sda(dilation: int = 2, backend: Optional[str] = None) -> Dilated:
-    return Dilated(dilation, backend)
-
-
+@register
 def longmixed(chunks: int = 4, backend: Optional[str] = None) -> Mixed:
     """SCCA LongMixed: heads [H/4 | H/4 | H/2] = scca_fixed | sda θ=2 | sda θ=4
     (the paper's 8 / 8 / 16 of 32 heads)."""
@@ -349,9 +352,6 @@ def longmixed(chunks: int = 4, backend: Optional[str] = None) -> Mixed:
     return Mixed(parts, backend, "longmixed", 8, rule, chunks=chunks)
 
 
-def full(backend: Optional[str] = None) -> Causal:
-    return Causal(backend)
-
-
+@register
 def mixed(parts: Sequence[tuple[PatternSpec, float]], backend: Optional[str] = None) -> Mixed:
     return Mixed(parts, backend)

@@ -1,67 +1,79 @@
-"""Name -> pattern factory. Other modules (training-free methods) add theirs with
-:func:`register`, as a call or a decorator::
+"""Name -> factory tables, one per layer (attention patterns here, methods in
+``sparse_ft.methods``), filled where things are defined::
 
-    @register("dca")
-    def dca(chunk_size: int = 1024, backend: str | None = None) -> Pattern: ...
+    @PATTERNS.register                 # a class: registered under its ``name``
+    class Causal(Pattern): name = "full"
 
-A factory's keyword parameters are the pattern's parameters: :func:`get` checks names
-against its signature, so a typo in a recipe fails with the allowed list."""
+    @PATTERNS.register                 # a function: registered under its own name
+    def s2(chunks: int = 4, backend: str | None = None) -> Pattern: ...
+
+A factory's keyword parameters are the parameters a user may pass: :meth:`Registry.get`
+checks names against its signature, so a typo in a recipe fails with the allowed list.
+This module imports nothing of its package, so any layer can own a registry.
+"""
 
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Generic, Optional, TypeVar
 
-from attn_patterns import patterns
-from attn_patterns.base import Pattern
-
-_FACTORIES: dict[str, Callable[..., Pattern]] = {
-    "full": patterns.full,
-    "s2": patterns.s2,
-    "scca_fixed": patterns.scca_fixed,
-    "scca_flow": patterns.scca_flow,
-    "sda": patterns.sda,
-    "longmixed": patterns.longmixed,
-    "mixed": patterns.mixed,
-}
+T = TypeVar("T")
 
 
-def register(name: str, factory: Optional[Callable[..., Pattern]] = None) -> Callable[..., Any]:
-    """Add ``factory`` under ``name`` (replacing an earlier one); without ``factory``, a
-    decorator doing the same. Returns the factory."""
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"pattern name={name!r} must be a non-empty string")
+class Registry(Generic[T]):
+    """``kind`` names the thing in errors ("pattern", "method"); ``base`` is the type that
+    :meth:`build` passes through unchanged."""
 
-    def add(f: Callable[..., Pattern]) -> Callable[..., Pattern]:
-        _FACTORIES[name] = f
-        return f
+    def __init__(self, kind: str, base: type) -> None:
+        self.kind, self.base = kind, base
+        self._factories: dict[str, Callable[..., T]] = {}
 
-    return add if factory is None else add(factory)
+    def register(self, factory: "Callable[..., T] | str | None" = None, *, name: Optional[str] = None) -> Any:
+        """Add ``factory`` under ``name`` (default: a class's ``name`` attribute, a function's
+        ``__name__``), replacing an earlier one; usable bare, as ``register("name")`` or as
+        ``register(name=...)`` decorators, or called with the factory."""
+        if isinstance(factory, str):
+            factory, name = None, factory
 
+        def add(f: Callable[..., T]) -> Callable[..., T]:
+            key = name or (f.__dict__.get("name") if isinstance(f, type) else None) or f.__name__
+            if not isinstance(key, str) or not key:
+                raise ValueError(f"{self.kind} name={key!r} must be a non-empty string")
+            self._factories[key] = f
+            return f
 
-def names() -> list[str]:
-    return sorted(_FACTORIES)
+        return add if factory is None else add(factory)
 
+    def remove(self, name: str) -> None:
+        """Take ``name`` out again (tests that register a toy)."""
+        self._factories.pop(name, None)
 
-def get(name: str, **params: Any) -> Pattern:
-    """Build pattern ``name``; unknown names or parameters raise ValueError listing what exists."""
-    if name not in _FACTORIES:
-        raise ValueError(f"pattern={name!r} is unknown; allowed: {', '.join(names())}")
-    factory = _FACTORIES[name]
-    allowed = inspect.signature(factory).parameters
-    unknown = sorted(set(params) - set(allowed))
-    if unknown:
-        raise ValueError(f"{name}: parameter(s) {', '.join(unknown)} unknown; allowed: {', '.join(allowed)}")
-    return factory(**params)
+    def __contains__(self, name: str) -> bool:
+        return name in self._factories
 
+    def names(self) -> list[str]:
+        """In registration order: the order tables and help texts list them in."""
+        return list(self._factories)
 
-def build(spec: Any) -> Pattern:
-    """A pattern from a name, a ``{"name": ..., **params}`` dict or a Pattern."""
-    if isinstance(spec, Pattern):
-        return spec
-    if isinstance(spec, str):
-        return get(spec)
-    if isinstance(spec, dict) and "name" in spec:
-        params = {k: v for k, v in spec.items() if k != "name"}
-        return get(spec["name"], **params)
-    raise ValueError(f"pattern spec {spec!r} must be a name, a {{'name': ..., params}} dict or a Pattern")
+    def parameters(self, name: str) -> list[str]:
+        return list(inspect.signature(self._factories[name]).parameters)
+
+    def get(self, name: str, **params: Any) -> T:
+        """Build ``name``; unknown names or parameters raise ValueError listing what exists."""
+        if name not in self._factories:
+            raise ValueError(f"{self.kind}={name!r} is unknown; allowed: {', '.join(sorted(self._factories))}")
+        allowed = self.parameters(name)
+        unknown = sorted(set(params) - set(allowed))
+        if unknown:
+            raise ValueError(f"{name}: parameter(s) {', '.join(unknown)} unknown; allowed: {', '.join(allowed) or 'none'}")
+        return self._factories[name](**params)
+
+    def build(self, spec: Any) -> T:
+        """From a name, a ``{"name": ..., **params}`` dict or a ready object."""
+        if isinstance(spec, self.base):
+            return spec
+        if isinstance(spec, str):
+            return self.get(spec)
+        if isinstance(spec, dict) and "name" in spec:
+            return self.get(spec["name"], **{k: v for k, v in spec.items() if k != "name"})
+        raise ValueError(f"{self.kind} spec {spec!r} must be a name, a {{'name': ..., params}} dict or a {self.base.__name__}")

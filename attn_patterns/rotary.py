@@ -1,39 +1,14 @@
 """RoPE re-positioning shared by the training-free methods (DCA, LongHeads): transformers
 hands attention functions q/k already rotated at their true positions, and RoPE is a
-rotation, so moving a vector to another position is one more rotation by the difference."""
+rotation, so moving a vector to another position is one more rotation by the difference.
+The frequencies come from the caller (``sparse_ft.rope.rope_inv_freq`` reads a model's)."""
 
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Optional
 
 import torch
-
-_LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
-
-
-def rope_inv_freq(config: Any, method: str = "re-positioning") -> torch.Tensor:
-    """The inverse frequencies a transformers model rotates with, computed from its config
-    exactly as its rotary module does (4.x ``rope_scaling`` or 5.x ``rope_parameters``).
-    Length-dependent scalings (dynamic NTK, LongRoPE) are refused: cached keys could not be
-    re-positioned exactly."""
-    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
-    if rope_type in _LENGTH_DEPENDENT_ROPE:
-        raise ValueError(
-            f"{method}: rope_type={rope_type!r} changes RoPE frequencies with the input length, so keys cannot be "
-            "re-positioned exactly; load the model without it (or use linear / yarn / llama3 scaling)"
-        )
-    if rope_type != "default":
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-        if rope_type not in ROPE_INIT_FUNCTIONS:
-            raise ValueError(f"{method}: rope_type={rope_type!r} is unknown to transformers; allowed: default, {', '.join(ROPE_INIT_FUNCTIONS)}")
-        return ROPE_INIT_FUNCTIONS[rope_type](config, None)[0].float()
-    theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    dim = int(head_dim * params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)))
-    return default_inv_freq(dim, theta)
 
 
 def default_inv_freq(dim: int, theta: float = 10000.0) -> torch.Tensor:

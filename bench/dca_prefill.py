@@ -26,7 +26,8 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from attn_patterns.dca import default_inv_freq, dca_attention, resolve, rotate  # noqa: E402
+from attn_patterns.dca import dca_attention, resolve  # noqa: E402
+from attn_patterns.rotary import default_inv_freq, rotate  # noqa: E402
 from sparse_ft.bench.machine import PeakMemory, describe  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -28,19 +28,24 @@ from sparse_ft.pretrain import ASSET_DIR, machine
 
 RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "experiment" / "tiny_4x.yaml"
 PATTERNS = ["full", "s2", "scca_fixed", "scca_flow", "longmixed"]
-# training-free rows: label -> (evaluation method, its parameters for a 256-token base)
-FREE_METHODS: dict[str, tuple[str, dict]] = {
-    "vanilla": ("full", {}),
-    "pi": ("pi", {}),
-    "ntk": ("ntk", {}),
-    "yarn": ("yarn", {}),
-    "dca": ("dca", {}),
-    # DCA's ablation (its Figure 4): intra-chunk alone, then with inter-chunk attention
-    "dca_intra": ("dca", {"pieces": "intra"}),
-    "dca_intra_inter": ("dca", {"pieces": "intra+inter"}),
-    "longheads": ("longheads", {"chunk_size": 32}),  # the paper's 256 is the whole window here
-    "parallelcomp": ("parallelcomp", {}),
+# The training-free rows: the unchanged base ("vanilla"), then every method that does not
+# train, at its defaults but for the settings a 256-token base needs, each followed by its
+# ablation rows: a new method in sparse_ft.methods gets its row with no change here.
+TINY_BASE_PARAMS: dict[str, dict] = {"longheads": {"chunk_size": 32}}  # the paper's 256 is the whole window here
+ABLATIONS: dict[str, dict[str, dict]] = {  # DCA's Figure 4: intra-chunk alone, then with inter-chunk attention
+    "dca": {"dca_intra": {"pieces": "intra"}, "dca_intra_inter": {"pieces": "intra+inter"}},
 }
+
+
+def free_methods() -> dict[str, tuple[str, dict]]:
+    """Row label -> (evaluation method, its parameters)."""
+    from sparse_ft import methods
+
+    rows = {"vanilla": ("full", {})}
+    for name in methods.names(lambda supports: not supports.training):
+        rows[name] = (name, TINY_BASE_PARAMS.get(name, {}))
+        rows.update({label: (name, params) for label, params in ABLATIONS.get(name, {}).items()})
+    return rows
 
 
 @dataclass
@@ -56,7 +61,7 @@ class ExperimentConfig:
     steps: int = 1000
     ppl_factors: list[int] = field(default_factory=lambda: [1, 2, 4])
     passkey_factors: list[int] = field(default_factory=lambda: [1, 2, 3, 4])
-    free_methods: list[str] = field(default_factory=lambda: list(FREE_METHODS))
+    free_methods: list[str] = field(default_factory=lambda: list(free_methods()))
     free_factors: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
     ppl_windows: int = 16  # windows per length; stride = the base's context
     passkey_depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
@@ -66,14 +71,16 @@ class ExperimentConfig:
     val_percent: float = 5.0
 
     def validate(self) -> None:
-        import attn_patterns
+        from sparse_ft import methods
 
+        trainable = methods.names(lambda supports: supports.training)
         for p in self.patterns:
-            if p not in attn_patterns.names():
-                raise ValueError(f"--patterns {p!r} is unknown; allowed: {', '.join(attn_patterns.names())}")
+            if p not in trainable:
+                raise ValueError(f"--patterns {p!r} is unknown; allowed: {', '.join(trainable)}")
+        rows = free_methods()
         for m in self.free_methods:
-            if m not in FREE_METHODS:
-                raise ValueError(f"--free-methods {m!r} is unknown; allowed: {', '.join(FREE_METHODS)}")
+            if m not in rows:
+                raise ValueError(f"--free-methods {m!r} is unknown; allowed: {', '.join(rows)}")
         for key in ("factor", "steps", "ppl_windows", "passkey_trials"):
             if getattr(self, key) < 1:
                 raise ValueError(f"--{key.replace('_', '-')} {getattr(self, key)} must be >= 1")
@@ -96,7 +103,7 @@ def evaluate(model, tokenizer, method, val, context: int, ppl_lengths: list[int]
     from sparse_ft.evaluation import passkey, ppl
 
     out: dict[str, Any] = {"ppl": [], "passkey": []}
-    if method.supports_ppl:
+    if method.supports.ppl:
         out["ppl"] = [ppl.evaluate_length(model, val, n, context, "standard", method, 1, cfg.ppl_windows) for n in ppl_lengths]
     cells = passkey.evaluate(model, tokenizer, passkey_lengths, cfg.passkey_depths, cfg.passkey_trials, method, seed=0)
     out["passkey"] = [{k: c[k] for k in ("length", "depth", "accuracy", "trials", "outputs", "keys")} for c in cells]
@@ -183,7 +190,8 @@ class Runner:
         return summary, seconds
 
     def fine_tuned(self, pattern: str, seed: int, val) -> dict:
-        from sparse_ft.evaluation import loading, methods, ppl
+        from sparse_ft import methods
+        from sparse_ft.evaluation import loading, ppl
 
         name = f"{pattern}-seed{seed}"
         run_dir = Path(self.cfg.runs) / name
@@ -209,9 +217,10 @@ class Runner:
                             "ppl_own_pattern": own, **result})
 
     def training_free(self, label: str, val) -> dict:
-        from sparse_ft.evaluation import loading, methods
+        from sparse_ft import methods
+        from sparse_ft.evaluation import loading
 
-        name, params = FREE_METHODS[label]
+        name, params = free_methods()[label]
         key = _row_key("training-free", {"method": [name, params], "base": self.cfg.base, **self._eval_settings()})
         if (row := self._cached(label, key)) is not None:
             return row

@@ -140,7 +140,8 @@ def train(cfg: PretrainConfig, blocks: np.ndarray, progress: bool = True,
 def evaluate(model, tokenizer, val_tokens: np.ndarray, cfg: PretrainConfig) -> dict:
     """Validation PPL at the training context and passkey accuracy at the full window, through
     the project's evaluator so the numbers match ``sparse-ft eval``."""
-    from sparse_ft.evaluation import methods, passkey, ppl
+    from sparse_ft import methods
+    from sparse_ft.evaluation import passkey, ppl
 
     full = methods.get("full")
     result = ppl.evaluate_length(model, val_tokens, cfg.context, cfg.context, "standard", full, batch_size=8,

@@ -15,6 +15,9 @@ from typing import Any
 import torch
 
 METHODS = ("linear", "dynamic", "yarn")
+# RoPE types whose frequencies change with the input length: keys rotated at an earlier call
+# (the KV cache) cannot be re-positioned exactly with other frequencies.
+_LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 # The HF rope_type each method writes; extending a model keeps compositions exact, so a
 # method only composes with scaling of its own kind (or none).
 _ROPE_TYPE = {"linear": "linear", "dynamic": "dynamic", "yarn": "yarn"}
@@ -127,3 +130,28 @@ def refresh_rotary(model: torch.nn.Module) -> int:
             "sparse-ft's RoPE scaling needs a RoPE model"
         )
     return rebuilt
+
+
+def rope_inv_freq(config: Any, method: str = "re-positioning") -> torch.Tensor:
+    """The inverse frequencies a transformers model rotates with, computed from its config
+    exactly as its rotary module does, for the methods that re-position rotated keys (DCA,
+    LongHeads: ``attn_patterns.rotary.rotate``). Length-dependent scalings (dynamic NTK,
+    LongRoPE) are refused: cached keys could not be re-positioned exactly."""
+    from attn_patterns.rotary import default_inv_freq
+
+    params = rope_parameters(config)
+    rope_type = params["rope_type"]
+    if rope_type in _LENGTH_DEPENDENT_ROPE:
+        raise ValueError(
+            f"{method}: rope_type={rope_type!r} changes RoPE frequencies with the input length, so keys cannot be "
+            "re-positioned exactly; load the model without it (or use linear / yarn / llama3 scaling)"
+        )
+    if rope_type != "default":
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        if rope_type not in ROPE_INIT_FUNCTIONS:
+            raise ValueError(f"{method}: rope_type={rope_type!r} is unknown to transformers; allowed: default, {', '.join(ROPE_INIT_FUNCTIONS)}")
+        return ROPE_INIT_FUNCTIONS[rope_type](config, None)[0].float()
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    dim = int(head_dim * params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)))
+    return default_inv_freq(dim, params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))

@@ -9,8 +9,9 @@ from transformers import AttentionInterface, MistralConfig, MistralForCausalLM, 
 import attn_patterns
 from attn_patterns import Pattern
 from attn_patterns.reference import dense_attention
-from sparse_ft import use_attention
-from sparse_ft.attention import current_pattern
+from sparse_ft import methods, use_attention
+from sparse_ft.attention import current_method
+from sparse_ft.methods import Method
 from sparse_ft.tiny import tiny_llama
 
 SMALL = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -26,17 +27,20 @@ PARAMS = {
 
 
 def pattern_of(name):
-    return attn_patterns.get(name, **PARAMS.get(name, {}))
+    """A static pattern as the Pattern object ("full" too then runs through our function);
+    the others (DCA, LongHeads) through their method."""
+    pattern = attn_patterns.get(name, **PARAMS.get(name, {}))
+    return pattern if pattern.static else methods.get(name, **PARAMS.get(name, {}))
 
 
 def has_hook(pattern):
-    """Methods with their own transformers hook (DCA, LongHeads) have no fixed mask: their
-    owners test them against their own references; here they run forward and backward."""
-    return hasattr(pattern, "attend_hf")
+    """Methods of their own (DCA, LongHeads) have no fixed mask: their owners test them
+    against their own references; here they run forward and backward."""
+    return isinstance(pattern, Method)
 
 
 def _reference_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    mask = module._sparse_ft_pattern.mask(query.shape[2], query.shape[1])
+    mask = module._sparse_ft_method.pattern.mask(query.shape[2], query.shape[1])
     return dense_attention(query, key, value, mask).transpose(1, 2).contiguous(), None
 
 
@@ -87,10 +91,10 @@ def test_switching_back_restores_original_logits_exactly():
     ids = ids_of((1, 40))
     before = model(ids).logits
     use_attention(model, "s2")
-    assert current_pattern(model) is not None
+    assert current_method(model) is not None
     assert not torch.equal(model(ids).logits, before)
     use_attention(model, "full")
-    assert model.config._attn_implementation == "sdpa" and current_pattern(model) is None
+    assert model.config._attn_implementation == "sdpa" and current_method(model) is None
     assert torch.equal(model(ids).logits, before)
 
 
@@ -149,7 +153,7 @@ def test_two_models_use_their_own_patterns():
     a, b = use_attention(build("llama"), "s2"), use_attention(build("llama"), "sda", dilation=4)
     ids = ids_of((1, 24))
     out_a, out_b = a(ids).logits, b(ids).logits
-    assert repr(current_pattern(a)).startswith("s2") and repr(current_pattern(b)).startswith("sda")
+    assert repr(current_method(a)).startswith("s2") and repr(current_method(b)).startswith("sda")
     assert not torch.allclose(out_a, out_b)
     torch.testing.assert_close(a(ids).logits, out_a, atol=0, rtol=0)
     use_attention(b, "full")
@@ -180,17 +184,16 @@ def test_generation_with_cache_needs_full_attention():
     assert model.generate(prompt, max_new_tokens=2, do_sample=False).shape[1] == 14
 
 
-class CausalHook(Pattern):
-    """The smallest method using the ``attend_hf`` hook: causal attention over the cache with
-    the padding mask, recording what transformers hands over."""
+class CausalHook(Method):
+    """The smallest method: causal attention over the cache with the padding mask,
+    recording what transformers hands over."""
 
     name = "causal_hook"
 
     def __init__(self):
-        super().__init__()
         self.calls = []
 
-    def attend_hf(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         nq, nk = query.shape[2], key.shape[2]
         self.calls.append((module.layer_idx, nq, nk, None if attention_mask is None else attention_mask.dim(),
                            kwargs.get("position_ids")))
@@ -212,7 +215,7 @@ def test_hook_gets_positions_the_2d_mask_and_decodes_like_full_attention():
     expected = model.generate(prompt, attention_mask=mask, max_new_tokens=4, do_sample=False)
     hook = CausalHook()
     use_attention(model, hook)
-    assert current_pattern(model) is hook
+    assert current_method(model) is hook
     got = model.generate(prompt, attention_mask=mask, max_new_tokens=4, do_sample=False)
     assert torch.equal(got, expected)
     prefill, step = hook.calls[0], hook.calls[-1]

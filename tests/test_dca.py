@@ -10,10 +10,12 @@ import pytest
 import torch
 
 import attn_patterns
-import attn_patterns.dca  # noqa: F401  (registers "dca")
 from attn_patterns import Pattern
-from attn_patterns.dca import default_inv_freq, dca_attention, rotate
+from attn_patterns.dca import dca_attention
+from attn_patterns.rotary import default_inv_freq, rotate
+from sparse_ft import methods
 from sparse_ft.attention import use_attention
+from sparse_ft.methods import Method
 from sparse_ft.tiny import tiny_llama
 
 # --- reference ------------------------------------------------------------------------------
@@ -204,17 +206,16 @@ def test_gradients_flow_through_the_math_path():
 # --- inside a transformers model -------------------------------------------------------------
 
 
-class DenseDCA(Pattern):
+class DenseDCA(Method):
     """Reference attention function for a model: un-rotates q, k with the model's OWN rotary
     module (not DCA's frequency lookup), then dense attention from ``relative_positions``."""
 
     name = "dense_dca"
 
     def __init__(self, dca: Pattern, rotary: torch.nn.Module) -> None:
-        super().__init__()
         self.dca, self.rotary = dca, rotary
 
-    def attend_hf(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         nk = key.shape[2]
         start = nk - query.shape[2]
         cos, sin = (x[0].double() for x in self.rotary(key, torch.arange(nk)[None]))  # (Nk, D), carries YaRN's factor
@@ -261,8 +262,8 @@ def test_model_matches_dense_reference(rope, pieces):
     the model's own RoPE scaling."""
     model = tiny_llama(max_position_embeddings=64, **ROPES[rope])
     ids = torch.randint(3, 300, (1, 150), generator=torch.Generator().manual_seed(1))
-    dca = attn_patterns.get("dca", pieces=pieces)
-    use_attention(model, DenseDCA(dca, model.model.rotary_emb))
+    dca = methods.get("dca", pieces=pieces)
+    use_attention(model, DenseDCA(dca.pattern, model.model.rotary_emb))
     want = _logits(model, ids)
     use_attention(model, dca)
     torch.testing.assert_close(_logits(model, ids), want, atol=1e-4, rtol=1e-4)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from sparse_ft.cli import main
-from sparse_ft.evaluation import methods, passkey, ppl
+from sparse_ft import methods
+from sparse_ft.evaluation import passkey, ppl
 from sparse_ft.evaluation.scoring import window_nll
 from sparse_ft.evaluation.windows import Window, plan
 from sparse_ft.tiny import tiny_llama, tiny_tokenizer
@@ -115,9 +116,10 @@ def test_passkey_scoring_is_exact_match():
 def test_reprefill_generation_equals_cached_generation():
     model, tok = tiny_llama(), tiny_tokenizer()
     prompt = passkey.build_prompt(tok, 300, 0.5, "12345")
-    cached = passkey.default_generate(model, tok, prompt.context_ids, prompt.question_ids, 6)
+    cached = methods.cached_generate(model, tok, prompt.context_ids, prompt.question_ids, 6)
     assert methods.reprefill_generate(model, tok, prompt.context_ids, prompt.question_ids, 6) == cached
-    assert methods.get("s2").generate is methods.reprefill_generate  # training patterns have no decode step
+    assert not methods.get("s2").supports.kv_cache  # training patterns have no decode step: they re-run
+    assert methods.get("s2").generate(model, tok, prompt.context_ids, prompt.question_ids, 6) != [] 
 
 
 def test_methods_registry_and_rope_baselines():
@@ -219,15 +221,20 @@ def test_bin_token_files_and_bad_input(tmp_path, capsys):
         (["--data", str(tmp_path / "missing.txt"), "--lengths", "64"], "does not exist"),
         (["--model", str(tmp_path / "nowhere"), "--data", str(path), "--lengths", "64"], "no such directory"),
     ]
-    no_ppl = methods.Method()
-    no_ppl.supports_ppl, no_ppl.why_no_ppl = False, "it answers questions"
-    methods.register("no-ppl", lambda: no_ppl)
+
+    class NoPPL(methods.Method):
+        name, supports = "no-ppl", methods.Supports(ppl=False, no_ppl_reason="it answers questions")
+
+    methods.register(NoPPL)
     big = write_token_file(np.array([5, 900, 7] * 40), tmp_path / "big.bin", 70000, "other")
     cases.append((["--data", str(big), "--lengths", "64", "--data-dtype", "uint32"], "token id 900 >= the model's vocabulary size 384"))
-    for extra, message in cases:
-        assert main(["eval", "ppl", "--model", "tiny", *extra]) == 2
-        err = capsys.readouterr().err
-        assert "Traceback" not in err and message in err, err
+    try:
+        for extra, message in cases:
+            assert main(["eval", "ppl", "--model", "tiny", *extra]) == 2
+            err = capsys.readouterr().err
+            assert "Traceback" not in err and message in err, err
+    finally:
+        methods.METHODS.remove("no-ppl")
 
 
 def test_prepare_eval_and_adapter_evaluation(tmp_path, capsys):

@@ -9,7 +9,7 @@ import torch
 import attn_patterns
 from attn_patterns.longheads import LongHeads, rerotate
 from sparse_ft import use_attention
-from sparse_ft.longheads import rope_inv_freq
+from sparse_ft.rope import rope_inv_freq
 from sparse_ft.tiny import tiny_llama
 
 INV_FREQ = 1.0 / (10000.0 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))
@@ -183,7 +183,8 @@ def test_out_of_sync_cache_is_an_error(long_model):
 
 
 def test_passkey_through_evaluation_path():
-    from sparse_ft.evaluation import methods, passkey
+    from sparse_ft import methods
+    from sparse_ft.evaluation import passkey
     from sparse_ft.tiny import tiny_tokenizer
 
     method = methods.get("longheads", chunk_size=32, chunks=4)

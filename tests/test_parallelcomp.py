@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from sparse_ft import parallelcomp as pc
+from sparse_ft.methods import parallelcomp as pc
 from sparse_ft.tiny import tiny_llama, tiny_tokenizer
 
 
@@ -75,14 +75,8 @@ def test_one_chunk_equals_plain_generation(model, tok):
 
 
 def _kept(model, context, question, **params):
-    cfg = pc.ParallelCompConfig(**params)
-    attn = pc._ParallelCompAttention(cfg.score_window)
-    pc.use_attention(model, attn)
-    try:
-        with torch.no_grad():
-            return pc.select(model, context, question, cfg, attn)
-    finally:
-        pc.use_attention(model, "full")
+    with torch.no_grad():
+        return pc.select(model, context, question, pc.ParallelCompConfig(**params))
 
 
 def test_selection_keeps_lowest_self_information_chunks(model):
@@ -139,20 +133,16 @@ def test_validation(model):
 
 def test_passkey_end_to_end_on_tiny_model(model, tok):
     from sparse_ft.evaluation import passkey
-    from sparse_ft.evaluation.methods import Method
+    from sparse_ft.methods import Method
 
-    method = pc.method(keep_chunks=1, batch_chunks=2)
-    assert isinstance(method, Method) and not method.supports_ppl and "perplexity" in method.why_no_ppl
+    method = pc.ParallelComp(keep_chunks=1, batch_chunks=2)
+    assert isinstance(method, Method) and not method.supports.ppl and "perplexity" in method.supports.no_ppl_reason
     cells = passkey.evaluate(model, tok, lengths=[600], depths=[0.5], trials=1, method=method)
     assert cells[0]["prompt_tokens"] > 256 and 0.0 <= cells[0]["accuracy"] <= 1.0
 
 
 def test_cli_ppl_refuses_and_says_why(tmp_path, monkeypatch, capsys):
     from sparse_ft.cli import main
-    from sparse_ft.evaluation import methods
-
-    if "parallelcomp" not in methods.names():  # until the evaluation registry lists it
-        methods.register("parallelcomp", pc.method)
     monkeypatch.chdir(tmp_path)  # the tiny model is materialised under the working directory
     (tmp_path / "text.txt").write_text("the quick brown fox jumps over the lazy dog. " * 20)
     code = main(["eval", "ppl", "--model", "tiny", "--data", "text.txt", "--method", "parallelcomp", "--lengths", "64"])

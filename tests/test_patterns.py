@@ -264,9 +264,7 @@ def test_registered_rule_only_pattern_gets_mask_pairs_and_flex():
         with pytest.raises(ValueError, match="windw unknown; allowed: window, backend"):
             attn_patterns.get("test_sink", windw=2)
     finally:
-        from attn_patterns.registry import _FACTORIES
-
-        _FACTORIES.pop("test_sink")
+        attn_patterns.PATTERNS.remove("test_sink")
 
 
 @pytest.mark.gpu
@@ -333,14 +331,20 @@ def test_flash_window_arithmetic(name, params, monkeypatch):
         torch.testing.assert_close(pattern.forward(q, k, v, "flash"), dense_attention(q, k, v, pattern.mask(n, H)))
 
 
-def test_imports_without_transformers_or_flash_attn():
+def test_attn_patterns_is_pure_torch():
+    """attn_patterns imports neither transformers, flash-attn nor the application (sparse_ft):
+    each is blocked, and every pattern, DCA and LongHeads included, still runs."""
     import subprocess
     import sys
 
     code = (
-        "import sys; sys.modules['transformers'] = None; sys.modules['flash_attn'] = None\n"
+        "import sys\n"
+        "for blocked in ('transformers', 'flash_attn', 'sparse_ft'): sys.modules[blocked] = None\n"
         "import torch, attn_patterns\n"
-        "q = torch.randn(1, 8, 9, 4)\n"
+        "from attn_patterns.longheads import LongHeads\n"
+        "q = torch.randn(1, 8, 40, 4)\n"
         "assert attn_patterns.get('longmixed')(q, q[:, :2], q[:, :2]).shape == q.shape\n"
+        "assert attn_patterns.get('dca', pretraining_length=16)(q, q[:, :2], q[:, :2]).shape == q.shape\n"
+        "assert LongHeads(chunk_size=4, chunks=3)(q, q[:, :2], q[:, :2]).shape == q.shape\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -85,7 +85,8 @@ def test_committed_checkpoint_retrieves_a_passkey_inside_its_window():
     prompt and the answer fit in its 256 tokens."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from sparse_ft.evaluation import methods, passkey
+    from sparse_ft import methods
+    from sparse_ft.evaluation import passkey
 
     model = AutoModelForCausalLM.from_pretrained(ASSET_DIR).eval()
     tok = AutoTokenizer.from_pretrained(ASSET_DIR)

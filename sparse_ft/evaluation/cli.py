@@ -81,7 +81,7 @@ def add_parser(sub) -> None:
 
 
 def _method(args):
-    from sparse_ft.evaluation import methods
+    from sparse_ft import methods
 
     return methods.get(args.method, **_method_args(args.method_arg))
 
@@ -117,8 +117,8 @@ def run_ppl(args) -> int:
         if value is not None and value < 1:
             raise ValueError(f"--{flag.replace('_', '-')} {value} must be >= 1")
     method = _method(args)
-    if not method.supports_ppl:
-        raise ValueError(f"--method {args.method} cannot report perplexity: {method.why_no_ppl}")
+    if not method.supports.ppl:
+        raise ValueError(f"--method {args.method} cannot report perplexity: {method.supports.no_ppl_reason}")
     model, tokenizer = _load(args)
     vocab = model.get_output_embeddings().weight.shape[0]
     stream = tokens.load_tokens(args.data, tokenizer, vocab, args.data_dtype, args.split, args.text_column, args.max_tokens)

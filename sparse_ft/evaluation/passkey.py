@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from sparse_ft.evaluation.methods import Method
+from sparse_ft.methods import Method
 
 TASK = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. "
         "I will quiz you about the important information there.")
@@ -85,14 +85,6 @@ def build_prompt(tokenizer, length: int, depth: float, key: str) -> Prompt:
     return Prompt(context, question, key, position, room)
 
 
-def default_generate(model, tokenizer, context_ids: list[int], question_ids: list[int], max_new_tokens: int) -> list[int]:
-    device = next(model.parameters()).device
-    ids = torch.tensor([context_ids + question_ids], device=device)
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                         do_sample=False, use_cache=True, pad_token_id=tokenizer.pad_token_id)
-    return out[0, ids.shape[1]:].tolist()
-
-
 def retrieved(text: str, key: str) -> bool:
     """Exact match: the first number the model writes is the key (a longer number, or one with
     a wrong digit, is a miss)."""
@@ -103,7 +95,6 @@ def retrieved(text: str, key: str) -> bool:
 def evaluate(model, tokenizer, lengths: list[int], depths: list[float], trials: int, method: Method, seed: int = 0) -> list[dict]:
     """One cell per (length, depth); every cell uses the same ``trials`` seeded keys, so cells
     differ only in length and depth."""
-    generate = method.generate or default_generate
     rng = random.Random(seed)
     keys = [str(rng.randint(10000, 99999)) for _ in range(trials)]
     cells = []
@@ -116,7 +107,7 @@ def evaluate(model, tokenizer, lengths: list[int], depths: list[float], trials: 
                 prompt = build_prompt(tokenizer, length, depth, key)
                 budget = len(_ids(tokenizer, " " + key)) + 3
                 with torch.inference_mode():
-                    new = generate(model, tokenizer, prompt.context_ids, prompt.question_ids, budget)
+                    new = method.generate(model, tokenizer, prompt.context_ids, prompt.question_ids, budget)
                 outputs.append(tokenizer.decode(new, skip_special_tokens=True))
                 hits += retrieved(outputs[-1], key)
                 bar.update()

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from sparse_ft.evaluation.methods import Method
+from sparse_ft.methods import Method
 from sparse_ft.evaluation.scoring import window_nll
 from sparse_ft.evaluation.windows import plan
 

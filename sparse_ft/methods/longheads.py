@@ -1,6 +1,6 @@
-"""LongHeads inside a transformers model: what the pure pattern (``attn_patterns.longheads``)
-cannot know by itself: the RoPE frequencies the model rotated q/k with, its pretraining
-length, and which positions a call covers when a KV cache is in use.
+"""LongHeads inside a transformers model (the maths: ``attn_patterns.longheads``): what the
+pure pattern cannot know by itself: the RoPE frequencies the model rotated q/k with, its
+pretraining length, and which positions a call covers when a KV cache is in use.
 
 One path serves prefill, chunked prefill and cached decoding: the call's queries are the last
 ``Nq`` of the ``Nk`` cached positions. Decoding needs the queries of the chunk being filled to
@@ -17,30 +17,30 @@ from typing import Any, Optional
 import torch
 
 from attn_patterns.longheads import LongHeads, attend, chunk_representations
-from attn_patterns.rotary import rope_inv_freq
 from sparse_ft import rope
+from sparse_ft.methods.base import PatternBacked, Supports, register
 
 _STATE_ATTR = "_longheads_state"
 
 
-def attend_hf(
-    pattern: LongHeads, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-    attention_mask: Optional[torch.Tensor], scaling: Optional[float] = None, dropout: float = 0.0, **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """transformers attention function body: q (B,H,Nq,D), k/v (B,Hkv,Nk,D) -> (B,Nq,H,D)."""
-    if dropout:
-        raise ValueError(f"longheads: attention dropout={dropout} is not supported; LongHeads is an inference method")
-    if attention_mask is not None and attention_mask.dim() == 2:
-        real = attention_mask.bool()
-        if bool((real[:, 1:] & ~real[:, :-1]).any()):
-            raise ValueError("longheads supports right padding only (a real token follows padding); set tokenizer.padding_side='right'")
-    config = module.config
-    k_chunks = pattern.window(pattern.pretraining_length or rope.original_context(config))
-    inv_freq = rope_inv_freq(config, "longheads").to(query.device)  # cheap; never stale after a RoPE change
-    reps = _update_state(module, query, key, value, pattern.chunk_size, inv_freq)
-    scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
-    out = attend(query, key, value, reps, pattern.chunk_size, k_chunks, inv_freq, scale, pattern.keep_previous)
-    return out.transpose(1, 2).contiguous(), None
+@register
+class LongHeadsMethod(PatternBacked):
+    name = "longheads"
+    pattern_class = LongHeads
+    supports = Supports(training=False, ppl=True, kv_cache=True, padding=("right",))
+
+    def __call__(self, module, query, key, value, attention_mask, scaling: Optional[float] = None,
+                 dropout: float = 0.0, **kwargs: Any) -> tuple[torch.Tensor, None]:
+        """q (B,H,Nq,D), k/v (B,Hkv,Nk,D) -> (B,Nq,H,D)."""
+        self.check_inputs(attention_mask, dropout)
+        p = self.pattern
+        config = module.config
+        k_chunks = p.window(p.pretraining_length or rope.original_context(config))
+        inv_freq = rope.rope_inv_freq(config, "longheads").to(query.device)  # cheap; never stale after a RoPE change
+        reps = _update_state(module, query, key, value, p.chunk_size, inv_freq)
+        scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
+        out = attend(query, key, value, reps, p.chunk_size, k_chunks, inv_freq, scale, p.keep_previous)
+        return out.transpose(1, 2).contiguous(), None
 
 
 def _update_state(module, query, key, value, l: int, inv_freq: torch.Tensor) -> torch.Tensor:

@@ -24,17 +24,19 @@ Steps (paper §3.1), all through transformers' own forward and KV cache:
 
 from __future__ import annotations
 
-import functools
 import heapq
+import inspect
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from attn_patterns import Pattern
+from attn_patterns.base import check_int
 from sparse_ft import rope
-from sparse_ft.attention import current_pattern, use_attention
+from sparse_ft.attention import current_method, pretrained, use_attention
+from sparse_ft.methods.base import Method, Supports, greedy, model_device, register
 
 PPL_UNSUPPORTED = (
     "ParallelComp ranks context chunks by the self-information of a query (-log P(query | chunk)); "
@@ -66,13 +68,10 @@ class ParallelCompConfig:
 
     def __post_init__(self) -> None:
         for name in ("keep_chunks", "batch_chunks", "score_window", "bias_window"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"parallelcomp: {name}={value!r} must be an integer >= 1")
+            check_int(name, getattr(self, name), "parallelcomp")
         for name in ("chunk_size", "kv_budget", "pretraining_length"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"parallelcomp: {name}={value!r} must be an integer >= 1 or None")
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), "parallelcomp")
         tau = self.self_information_threshold
         if tau is not None and (isinstance(tau, bool) or not isinstance(tau, (int, float)) or not tau >= 0):
             raise ValueError(f"parallelcomp: self_information_threshold={tau!r} must be a number >= 0 or None")
@@ -132,64 +131,84 @@ def evict(
     return index, keep
 
 
-# --- the attention the model runs with while ParallelComp drives it ------------------------
-class _ParallelCompAttention(Pattern):
-    """``encode``: causal attention over left-padded ``[chunk, query]`` rows that also records
-    the mean attention probability the last ``score_window`` rows pay each key (eq. 5).
-    ``global``: the query and generated tokens attend to the kept chunks' KV except evicted
-    tokens (per KV head), then causally to themselves."""
+# --- the attention the model runs with while ParallelComp drives it, one method per phase -----
+def _masked_attention(query, key, value, visible, scale) -> torch.Tensor:
+    """SDPA of q (B,H,Nq,D) over k/v (B,Hkv,Nk,D) where ``visible`` (B,Hkv,Nq,Nk) allows."""
+    groups = query.shape[1] // key.shape[1]
+    mask = visible.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(
+        query, key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1), attn_mask=mask, scale=scale
+    )
 
-    name = "parallelcomp"
+
+def _causal(query, key) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(B,Hkv,Nq,Nk) causal visibility of the last Nq of Nk positions, and the rows/columns."""
+    b, nq, nk = query.shape[0], query.shape[2], key.shape[2]
+    rows = torch.arange(nk - nq, nk, device=query.device)
+    cols = torch.arange(nk, device=query.device)
+    return (cols[None, :] <= rows[:, None]).expand(b, key.shape[1], nq, nk), rows, cols
+
+
+class _Encode(Method):
+    """Phase 1: causal attention over left-padded ``[chunk, query]`` rows that also records
+    the mean attention probability the last ``score_window`` rows pay each key (eq. 5)."""
+
+    name = "parallelcomp (encoding)"
 
     def __init__(self, score_window: int) -> None:
-        super().__init__(score_window=score_window)
         self.score_window = score_window
-        self.mode = "encode"
         self.recorded: dict[int, torch.Tensor] = {}
-        self.keep: dict[int, torch.Tensor] = {}  # layer -> (Hkv, S) over the kept chunks' tokens
 
-    def attend_hf(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-        b, h, nq, d = query.shape
-        hkv, nk = key.shape[1], key.shape[2]
-        scale = scaling if scaling is not None else d**-0.5
-        rows = torch.arange(nk - nq, nk, device=query.device)
-        cols = torch.arange(nk, device=query.device)
-        visible = (cols[None, :] <= rows[:, None]).expand(b, hkv, nq, nk)
-        if self.mode == "encode":
-            if attention_mask is not None:  # left padding: pads see only themselves
-                real = attention_mask[:, -nk:].bool()[:, None, None, :]
-                visible = visible & real | (cols[None, :] == rows[:, None])
-        else:
-            keep = self.keep[module.layer_idx]
-            kept = torch.ones(b, hkv, nk, dtype=torch.bool, device=query.device)
-            kept[:, :, : keep.shape[-1]] = keep
-            visible = visible & kept[:, :, None, :]
-        groups = h // hkv
-        mask = visible.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(
-            query, key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1), attn_mask=mask, scale=scale
-        )
-        if self.mode == "encode":
-            last = min(self.score_window, nq)
-            scores = torch.einsum("bhid,bhjd->bhij", query[:, :, -last:].float(), key.float().repeat_interleave(groups, 1)) * scale
-            probs = scores.masked_fill(~mask[:, :, -last:], float("-inf")).softmax(-1)
-            self.recorded[module.layer_idx] = probs.mean(2).unflatten(1, (hkv, groups)).mean(2)  # (B,Hkv,Nk)
+    def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        hkv, nk, nq = key.shape[1], key.shape[2], query.shape[2]
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        visible, rows, cols = _causal(query, key)
+        if attention_mask is not None:  # left padding: pads see only themselves
+            real = attention_mask[:, -nk:].bool()[:, None, None, :]
+            visible = visible & real | (cols[None, :] == rows[:, None])
+        out = _masked_attention(query, key, value, visible, scale)
+        last, groups = min(self.score_window, nq), query.shape[1] // hkv
+        scores = torch.einsum("bhid,bhjd->bhij", query[:, :, -last:].float(), key.float().repeat_interleave(groups, 1)) * scale
+        probs = scores.masked_fill(~visible[:, :, -last:].repeat_interleave(groups, dim=1), float("-inf")).softmax(-1)
+        self.recorded[module.layer_idx] = probs.mean(2).unflatten(1, (hkv, groups)).mean(2)  # (B,Hkv,Nk)
+        return out.transpose(1, 2).contiguous(), None
+
+
+class _Global(Method):
+    """Phase 2: the query and generated tokens attend to the kept chunks' KV except evicted
+    tokens (per KV head), then causally to themselves."""
+
+    name = "parallelcomp (answering)"
+
+    def __init__(self, keep: dict[int, torch.Tensor]) -> None:
+        self.keep = keep  # layer -> (1, Hkv, S) over the kept chunks' tokens
+
+    def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        visible, _, _ = _causal(query, key)
+        keep = self.keep[module.layer_idx]
+        kept = torch.ones(*key.shape[:3], dtype=torch.bool, device=query.device)
+        kept[:, :, : keep.shape[-1]] = keep
+        out = _masked_attention(query, key, value, visible & kept[:, :, None, :], scale)
         return out.transpose(1, 2).contiguous(), None
 
 
 # --- the method ------------------------------------------------------------------------------
-def _device(model) -> torch.device:
-    return next(model.parameters()).device
+@contextmanager
+def _attending(model, method: Method) -> Iterator[None]:
+    """The model attends with ``method`` inside the block, as before after it."""
+    previous = current_method(model)
+    use_attention(model, method)
+    try:
+        yield
+    finally:
+        use_attention(model, previous if previous is not None else "full")
 
 
-def _base(model):
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
-def _encode(model, attn, spans, context, question, cfg, num_layers):
+def _encode(model, encoder: _Encode, spans, context, question, cfg, num_layers):
     """One parallel forward over ``[chunk, query]`` rows: per chunk its self-information and
     its per-layer (keys, values, keep mask) restricted to the chunk's tokens."""
-    dev = _device(model)
+    dev = model_device(model)
     wq = len(question)
     width = max(e - s for s, e in spans) + wq
     ids = torch.zeros(len(spans), width, dtype=torch.long, device=dev)
@@ -198,7 +217,7 @@ def _encode(model, attn, spans, context, question, cfg, num_layers):
         ids[row, width - wq - (e - s) :] = torch.cat((context[s:e], question))
         mask[row, width - wq - (e - s) :] = 1
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
-    attn.mode, attn.recorded = "encode", {}
+    encoder.recorded = {}
     out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True, logits_to_keep=wq + 1)
     logp = out.logits[:, :-1].float().log_softmax(-1)  # predicts the wq query tokens
     info = -logp.gather(-1, question.expand(len(spans), wq).unsqueeze(-1)).squeeze(-1).sum(-1)
@@ -209,7 +228,7 @@ def _encode(model, attn, spans, context, question, cfg, num_layers):
         layers = []
         for layer in range(num_layers):
             k, v = _layer_kv(cache, layer)
-            attention = attn.recorded[layer][row, :, first:last]
+            attention = encoder.recorded[layer][row, :, first:last]
             region = region_of(layer, num_layers, cfg.calibration_layers)
             index, keep = evict(attention, cfg.kv_budget, cfg.calibration_threshold, region, cfg.bias_window)
             index = index.unsqueeze(-1).expand(-1, -1, k.shape[-1])
@@ -224,12 +243,12 @@ def _layer_kv(cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     return cache.key_cache[layer], cache.value_cache[layer]
 
 
-def select(model, context_ids: Sequence[int], question_ids: Sequence[int], cfg: ParallelCompConfig, attn) -> list[tuple[float, int, Any]]:
+def select(model, context_ids: Sequence[int], question_ids: Sequence[int], cfg: ParallelCompConfig) -> list[tuple[float, int, Any]]:
     """Steps 1–4: the kept chunks as ``(self_information, chunk_index, (length, layers))``."""
-    dev = _device(model)
+    dev = model_device(model)
     context = torch.as_tensor(list(context_ids), dtype=torch.long, device=dev)
     question = torch.as_tensor(list(question_ids), dtype=torch.long, device=dev)
-    config = _base(model).config
+    config = pretrained(model).config
     pretraining = cfg.pretraining_length or rope.original_context(config)
     size = cfg.chunk_size or pretraining - len(question)
     if size < 1 or size + len(question) > pretraining:
@@ -244,9 +263,12 @@ def select(model, context_ids: Sequence[int], question_ids: Sequence[int], cfg: 
     tau = cfg.self_information_threshold
     best: list[tuple[float, int, Any]] = []  # with τ: the most relevant chunk, whatever τ says
 
+    encoder = _Encode(cfg.score_window)
+
     def stream():
         for lo in range(0, len(spans), cfg.batch_chunks):
-            for offset, (info, length, layers) in enumerate(_encode(model, attn, spans[lo : lo + cfg.batch_chunks], context, question, cfg, num_layers)):
+            batch = spans[lo : lo + cfg.batch_chunks]
+            for offset, (info, length, layers) in enumerate(_encode(model, encoder, batch, context, question, cfg, num_layers)):
                 item = (info, lo + offset, (length, layers))
                 if tau is None or info <= tau:
                     yield item
@@ -255,7 +277,8 @@ def select(model, context_ids: Sequence[int], question_ids: Sequence[int], cfg: 
 
     # when no chunk passes τ the question is still answered from the most relevant one
     # (then every chunk was rejected, so ``best`` saw them all), never from no context
-    return keep_lowest(stream(), cfg.keep_chunks) or best
+    with _attending(model, encoder):
+        return keep_lowest(stream(), cfg.keep_chunks) or best
 
 
 def generate(
@@ -268,44 +291,40 @@ def generate(
     cfg = params.pop("config", None) or ParallelCompConfig(**params)
     if len(question_ids) == 0:
         raise ValueError("parallelcomp: question_ids is empty; the method ranks chunks by the query, so it needs one")
-    previous = current_pattern(model)
-    attn = _ParallelCompAttention(cfg.score_window)
-    use_attention(model, attn)
-    try:
-        kept = select(model, context_ids, question_ids, cfg, attn)
-        num_layers = _base(model).config.num_hidden_layers
-        cache = DynamicCache()
-        for layer in range(num_layers):
-            keys = torch.cat([layers[layer][0] for _, _, (_, layers) in kept], dim=1)[None]
-            values = torch.cat([layers[layer][1] for _, _, (_, layers) in kept], dim=1)[None]
-            attn.keep[layer] = torch.cat([layers[layer][2] for _, _, (_, layers) in kept], dim=1)[None]
-            cache.update(keys, values, layer)
-        start = max(length for _, _, (length, _) in kept)  # the query follows the longest kept chunk
-        attn.mode = "global"
-        dev = _device(model)
-        ids = torch.as_tensor([list(question_ids)], dtype=torch.long, device=dev)
-        eos = tokenizer.eos_token_id if tokenizer is not None else None
-        new: list[int] = []
-        for _ in range(max_new_tokens):
-            positions = torch.arange(start, start + ids.shape[1], device=dev)[None]
-            out = model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1)
-            token = int(out.logits[0, -1].argmax())
-            new.append(token)
-            if token == eos:
-                break
-            cache, start, ids = out.past_key_values, start + ids.shape[1], torch.tensor([[token]], device=dev)
-        return new
-    finally:
-        use_attention(model, previous if previous is not None else "full")
+    kept = select(model, context_ids, question_ids, cfg)
+    cache, keep = DynamicCache(), {}
+    for layer in range(pretrained(model).config.num_hidden_layers):
+        keys = torch.cat([layers[layer][0] for _, _, (_, layers) in kept], dim=1)[None]
+        values = torch.cat([layers[layer][1] for _, _, (_, layers) in kept], dim=1)[None]
+        keep[layer] = torch.cat([layers[layer][2] for _, _, (_, layers) in kept], dim=1)[None]
+        cache.update(keys, values, layer)
+    position = max(length for _, _, (length, _) in kept)  # the query follows the longest kept chunk
+    dev = model_device(model)
+
+    def next_logits(token: Optional[int]) -> torch.Tensor:
+        nonlocal cache, position
+        ids = torch.as_tensor([list(question_ids) if token is None else [token]], dtype=torch.long, device=dev)
+        positions = torch.arange(position, position + ids.shape[1], device=dev)[None]
+        out = model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        cache, position = out.past_key_values, position + ids.shape[1]
+        return out.logits[0, -1]
+
+    with _attending(model, _Global(keep)):
+        return greedy(next_logits, max_new_tokens, tokenizer.eos_token_id if tokenizer is not None else None)
 
 
-def method(**params: Any):
-    """``--method parallelcomp`` for ``sparse-ft eval``: passkey answers through
-    :func:`generate`; ``eval ppl`` refuses with :data:`PPL_UNSUPPORTED`."""
-    from sparse_ft.evaluation.methods import Method
+@register
+class ParallelComp(Method):
+    """``--method parallelcomp``: passkey answers through :func:`generate`; ``eval ppl``
+    refuses with :data:`PPL_UNSUPPORTED`. Its parameters are :class:`ParallelCompConfig`'s."""
 
-    cfg = ParallelCompConfig(**params)
-    chosen = Method()
-    chosen.name, chosen.supports_ppl, chosen.why_no_ppl = "parallelcomp", False, PPL_UNSUPPORTED
-    chosen.generate = functools.partial(generate, config=cfg)
-    return chosen
+    name = "parallelcomp"
+    supports = Supports(training=False, ppl=False, no_ppl_reason=PPL_UNSUPPORTED, kv_cache=True, padding=("left",))
+    replaces_attention = False  # it switches the model per phase itself
+    __signature__ = inspect.signature(ParallelCompConfig)
+
+    def __init__(self, **params: Any) -> None:
+        self.config = ParallelCompConfig(**params)
+
+    def generate(self, model, tokenizer, context_ids, question_ids, max_new_tokens) -> list[int]:
+        return generate(model, tokenizer, context_ids, question_ids, max_new_tokens, config=self.config)

@@ -1,0 +1,147 @@
+"""The method protocol: what the toolkit needs to know of any way a model may attend.
+
+A method is an object that transformers' attention function hands every attention call to,
+``method(module, query, key, value, attention_mask, **kwargs) -> (output, None)``, with q
+(B,H,Nq,D) and k/v (B,Hkv,Nk,D) rotated at their true positions (Nq < Nk while decoding
+against a KV cache). It declares what it supports, so that a recipe, the evaluation CLI and
+the experiment refuse a use it cannot serve before a model loads; it may take over
+generation (ParallelComp ranks context chunks by the question). A method that leaves
+attention to the model (the model's own attention, RoPE scaling) says
+``replaces_attention = False`` and only prepares the model in :meth:`Method.apply`.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+from attn_patterns.base import Pattern
+from attn_patterns.registry import Registry
+
+
+@dataclass(frozen=True)
+class Supports:
+    """What a method can serve; checked where it is used, before anything loads."""
+
+    training: bool = False  # differentiable and defined on whole training sequences
+    ppl: bool = True  # assigns a probability to every token of a text
+    no_ppl_reason: str = ""  # said when ``eval ppl`` refuses it
+    kv_cache: bool = False  # decodes against a KV cache; otherwise generation re-runs the sequence
+    padding: tuple[str, ...] = ("left", "right")  # padding sides of a batch it computes exactly
+    backends: tuple[Optional[str], ...] = (None,)  # kernel choices its ``backend`` parameter takes
+
+
+class Method:
+    """Base class; see the module docstring. Subclasses registered with :func:`register`
+    take their parameters as keyword arguments of their constructor (its signature is
+    what recipes and ``--method-arg`` are checked against)."""
+
+    name: str = "method"
+    supports: Supports = Supports()
+    replaces_attention: bool = True
+
+    def __call__(
+        self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+        attention_mask: Optional[torch.Tensor], **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        raise NotImplementedError(f"method {self.name!r} leaves attention to the model")
+
+    def check_model(self, config: Any) -> None:
+        """Refuse a model this method cannot run when it is switched to, not mid-forward."""
+
+    def apply(self, model: torch.nn.Module, length: int) -> None:
+        """Make ``model`` attend with this method for sequences of ``length`` tokens
+        (evaluation calls it per length)."""
+        from sparse_ft.attention import use_attention
+
+        use_attention(model, self)
+
+    def generate(self, model: torch.nn.Module, tokenizer: Any, context_ids: list[int], question_ids: list[int],
+                 max_new_tokens: int) -> list[int]:
+        """Greedy answer to ``question_ids`` after ``context_ids``: the new token ids."""
+        generate = cached_generate if self.supports.kv_cache else reprefill_generate
+        return generate(model, tokenizer, context_ids, question_ids, max_new_tokens)
+
+    def check_inputs(self, attention_mask: Optional[torch.Tensor], dropout: float = 0.0) -> None:
+        """For training-free methods (no attention dropout) that compute padded batches only
+        for the sides in ``supports.padding``."""
+        if dropout:
+            raise ValueError(f"{self.name}: attention dropout={dropout} is not supported; "
+                             f"{self.name} is training-free (set model.eval())")
+        if attention_mask is None or attention_mask.dim() != 2:
+            return
+        real = attention_mask.bool()
+        if "left" not in self.supports.padding and bool((real[:, 1:] & ~real[:, :-1]).any()):
+            raise ValueError(
+                f"{self.name} supports right padding only (a real token follows a padding token); "
+                "set tokenizer.padding_side='right'"
+            )
+
+    def __repr__(self) -> str:
+        return f"{self.name}()"
+
+
+class PatternBacked(Method):
+    """A method around a pure-torch pattern (``pattern_class``) whose parameters it takes
+    as its own: one parameter list, checked in one place."""
+
+    pattern_class: type[Pattern] = Pattern
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.__signature__ = inspect.signature(cls.pattern_class)
+
+    def __init__(self, **params: Any) -> None:
+        self.pattern = self.pattern_class(**params)
+
+    def __repr__(self) -> str:
+        return repr(self.pattern)
+
+
+METHODS: Registry[Method] = Registry("method", Method)
+register = METHODS.register
+
+
+# --- generation ----------------------------------------------------------------------------
+def greedy(next_logits: Callable[[Optional[int]], torch.Tensor], max_new_tokens: int, eos: Optional[int]) -> list[int]:
+    """Greedy decoding around ``next_logits(token)``: the next-token logits after the prompt
+    (``token=None``) or after feeding ``token``. One loop, whatever feeds the model."""
+    new: list[int] = []
+    if max_new_tokens < 1:
+        return new
+    logits = next_logits(None)
+    while True:
+        new.append(int(logits.argmax()))
+        if new[-1] == eos or len(new) == max_new_tokens:
+            return new
+        logits = next_logits(new[-1])
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def cached_generate(model, tokenizer, context_ids: list[int], question_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' own ``generate`` with the KV cache."""
+    ids = torch.tensor([list(context_ids) + list(question_ids)], device=model_device(model))
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                         do_sample=False, use_cache=True, pad_token_id=tokenizer.pad_token_id)
+    return out[0, ids.shape[1]:].tolist()
+
+
+@torch.inference_mode()
+def reprefill_generate(model, tokenizer, context_ids: list[int], question_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy decoding without a KV cache: each new token from a forward over the whole
+    sequence, so a pattern defined on whole sequences is applied exactly as defined."""
+    ids = torch.tensor([list(context_ids) + list(question_ids)], device=model_device(model))
+
+    def next_logits(token: Optional[int]) -> torch.Tensor:
+        nonlocal ids
+        if token is not None:
+            ids = torch.cat([ids, ids.new_tensor([[token]])], dim=1)
+        return model(input_ids=ids, use_cache=False, logits_to_keep=1).logits[0, -1]
+
+    return greedy(next_logits, max_new_tokens, tokenizer.eos_token_id)

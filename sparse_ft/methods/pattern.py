@@ -1,0 +1,160 @@
+"""Static patterns inside a model (S², SCCA, SDA, LongMixed, ... and any registered later)
+through one adapter, and ``full``: the model's own attention.
+
+A padded row is computed as if it were alone and unpadded: its real tokens go through the
+pattern at their own length, so the pattern's chunks never depend on the padding.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+from attn_patterns import Pattern
+from attn_patterns.kernels import BACKENDS
+from sparse_ft.methods.base import Method, Supports, register
+
+
+class PatternMethod(Method):
+    """Any static pattern (``Pattern.static``), trainable, on whole sequences only: a
+    pattern is defined over a whole sequence, so generation re-runs the sequence."""
+
+    supports = Supports(training=True, ppl=True, kv_cache=False, backends=(None, *BACKENDS))
+
+    def __init__(self, pattern: Pattern) -> None:
+        if not pattern.static:
+            raise ValueError(
+                f"{pattern.name} moves positions or picks keys from the data, so it is no static pattern; "
+                f"use its method: sparse_ft.methods.get({pattern.name!r}, ...)"
+            )
+        self.pattern = pattern
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return self.pattern.name
+
+    def __repr__(self) -> str:
+        return repr(self.pattern)
+
+    def check_model(self, config: Any) -> None:
+        self.pattern.check_heads(config.num_attention_heads)
+
+    def __call__(self, module, query, key, value, attention_mask, scaling: Optional[float] = None,
+                 dropout: float = 0.0, **kwargs: Any) -> tuple[torch.Tensor, None]:
+        pattern = self.pattern
+        if dropout:
+            raise ValueError(f"attention dropout={dropout} is not supported by pattern {pattern!r}; set attention_dropout=0")
+        if query.shape[2] != key.shape[2]:
+            raise ValueError(
+                f"pattern {pattern!r} is a training pattern: it is defined over a whole sequence, not for "
+                f"{query.shape[2]} new queries against a KV cache of {key.shape[2]} keys; generate or evaluate "
+                "with sparse_ft.use_attention(model, 'full')"
+            )
+        window = kwargs.get("sliding_window")
+        if window is not None and window < key.shape[2]:
+            raise ValueError(
+                f"sliding_window={window} is shorter than the sequence ({key.shape[2]} tokens): pattern {pattern!r} "
+                "replaces global causal attention; set model.config.sliding_window=None (and use_sliding_window=False)"
+            )
+        real = key_padding(attention_mask, query.shape[2], key.shape[2])
+        _check_positions(kwargs.get("position_ids"), real, pattern)
+        d = query.shape[-1]
+        if scaling is not None and not math.isclose(scaling, 1.0 / math.sqrt(d), rel_tol=1e-6):
+            query = query * (scaling * math.sqrt(d))  # patterns use 1/sqrt(D)
+        out = pattern(query, key, value) if real is None else _per_row(pattern, query, key, value, real)
+        return out.transpose(1, 2).contiguous(), None
+
+
+@register
+class ModelAttention(Method):
+    """``full``: the model's own attention implementation (sdpa, eager, flash...); switching
+    to it restores the model exactly, logits bit-identical to never having switched. (Given
+    pattern parameters, e.g. a backend, ``full`` names the ``full`` pattern through the
+    toolkit's kernels instead: :func:`sparse_ft.methods.get`.)"""
+
+    name = "full"
+    # a backend makes ``full`` the pattern on the toolkit's kernels (see sparse_ft.methods.get)
+    supports = Supports(training=True, ppl=True, kv_cache=True, backends=(None, *BACKENDS))
+    replaces_attention = False
+
+    def apply(self, model: torch.nn.Module, length: int) -> None:
+        """Evaluation measures the model as loaded (an adapter's RoPE included)."""
+
+
+# --- padding --------------------------------------------------------------------------------
+def key_padding(attention_mask: Optional[torch.Tensor], q_len: int, kv_len: int) -> Optional[torch.Tensor]:
+    """The mask transformers handed over as bool ``(B, kv_len)``, True on real tokens, or None
+    when nothing is padded. Accepts the 2-D mask (our mask interface, transformers >= 4.53) and
+    the 4-D causal+padding mask older versions build (or a user passes), which must be exactly
+    that: a 4-D mask with anything else (packed documents, custom masks) is refused."""
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() == 2:
+        real = attention_mask[:, -kv_len:].bool()
+    elif attention_mask.dim() == 4 and attention_mask.shape[1] == 1 and q_len == kv_len:
+        visible = attention_mask[:, 0, :, :kv_len]  # 4.5x appends a spare column for the cache
+        if visible.dtype != torch.bool:  # additive: 0 visible, dtype min (or -inf) hidden
+            visible = visible > torch.finfo(visible.dtype).min / 2
+        real = visible.diagonal(dim1=1, dim2=2)  # a real token sees itself; padding is hidden from all
+        causal = torch.ones(q_len, kv_len, dtype=torch.bool, device=real.device).tril()
+        expected = causal & real[:, None, :]
+        if bool(((visible != expected) & real[:, :, None]).any()):
+            raise ValueError(
+                "attention_mask: this 4-D mask is not causal attention over a padded batch (packed documents "
+                "or a custom mask?); sparse patterns accept padding only: pass the 2-D attention_mask"
+            )
+    else:
+        raise ValueError(
+            f"attention_mask of shape {tuple(attention_mask.shape)} is not supported with sparse patterns; "
+            "pass the 2-D (batch, seq) padding mask"
+        )
+    return None if bool(real.all()) else real
+
+
+def _check_positions(position_ids: Optional[torch.Tensor], real: Optional[torch.Tensor], pattern: Pattern) -> None:
+    """Positions restarting inside a row mean packed documents (flash-attention style
+    packing); a pattern would attend across them, so refuse rather than leak."""
+    if position_ids is None or position_ids.shape[-1] < 2:
+        return
+    jumps = position_ids[..., 1:] - position_ids[..., :-1] != 1
+    if real is not None:
+        jumps = jumps & real[:, 1:] & real[:, :-1]
+    if bool(jumps.any()):
+        raise ValueError(
+            f"position_ids restart or jump inside a sequence (packed documents?): pattern {pattern!r} would attend "
+            "across them; pack without resetting positions, or pad each document to its own row"
+        )
+
+
+def _per_row(pattern: Pattern, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """Each row's run of real tokens through the pattern at its own length (rows sharing a
+    run are batched together); padding queries get 0. Left and right padding both work."""
+    n = real.shape[1]
+    edges = F.pad(real.int(), (1, 1)).diff(dim=1).ne(0).sum(dim=1)
+    if bool((edges > 2).any()):
+        row = int((edges > 2).nonzero()[0])
+        raise ValueError(
+            f"attention_mask row {row} has padding between real tokens; pattern {pattern!r} needs each row's "
+            "real tokens contiguous (left or right padding)"
+        )
+    starts, lengths = real.int().argmax(dim=1).tolist(), real.sum(dim=1).tolist()
+    runs: dict[tuple[int, int], list[int]] = {}
+    for row, run in enumerate(zip(starts, lengths)):
+        runs.setdefault(run, []).append(row)
+    outs, order = [], []
+    for (start, length), rows in runs.items():
+        idx = torch.tensor(rows, device=q.device)
+        if length == 0:
+            outs.append(q.new_zeros(len(rows), *q.shape[1:]))
+        else:
+            part = slice(start, start + length)
+            out = pattern(q[idx, :, part], k[idx, :, part], v[idx, :, part])
+            outs.append(F.pad(out, (0, 0, start, n - start - length)))
+        order += rows
+    out = torch.cat(outs) if len(outs) > 1 else outs[0]
+    inverse = torch.empty(len(order), dtype=torch.long)
+    inverse[torch.tensor(order)] = torch.arange(len(order))
+    return out[inverse.to(q.device)]

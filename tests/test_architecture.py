@@ -1,0 +1,149 @@
+"""docs/architecture.md, checked: the layers import only what the table allows, and its two
+walkthroughs (a new pattern, a new training-free method) work end to end from one
+registration each: use_attention, a recipe's training run and ``eval ppl``."""
+
+import ast
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import attn_patterns
+from attn_patterns import Pattern
+from attn_patterns.reference import dense_attention
+from sparse_ft import methods, use_attention
+from sparse_ft.cli import main
+from sparse_ft.config import load_recipe
+from sparse_ft.tiny import tiny_llama
+from sparse_ft.train.trainer import train
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# The layers of docs/architecture.md, lowest first: a module may import its own layer and
+# lower ones, never a layer beside or above it.
+LAYERS = [
+    ["attn_patterns"],
+    ["sparse_ft.rope", "sparse_ft.tiny"],
+    ["sparse_ft.methods", "sparse_ft.attention"],
+    ["sparse_ft.models", "sparse_ft.data"],
+    ["sparse_ft.config"],
+    ["sparse_ft.evaluation", "sparse_ft.train"],
+]
+
+
+def _layer(module: str):
+    for rank, layer in enumerate(LAYERS):
+        for prefix in layer:
+            if module == prefix or module.startswith(prefix + "."):
+                return rank, prefix
+    return len(LAYERS), module  # applications: cli, merge, pretrain, experiment, bench
+
+
+def _imports(path: Path, module: str):
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            yield base
+            yield from (f"{base}.{alias.name}" for alias in node.names)
+
+
+def test_layers_import_only_what_the_architecture_allows():
+    wrong = []
+    for path in sorted([*ROOT.glob("attn_patterns/**/*.py"), *ROOT.glob("sparse_ft/**/*.py")]):
+        module = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        rank, group = _layer(module)
+        for target in _imports(path, module):
+            if not target.startswith(("attn_patterns", "sparse_ft.")):
+                continue
+            t_rank, t_group = _layer(target)
+            if t_group != group and t_rank >= rank and t_rank < len(LAYERS):
+                wrong.append(f"{module} imports {target}")
+    assert not wrong, "\n".join(sorted(set(wrong)))
+
+
+# --- walkthrough 1: a pattern ------------------------------------------------------------------
+class ToySink(Pattern):
+    """The first key and the last ``window`` keys."""
+
+    name = "toy_sink"
+
+    def __init__(self, window: int = 8, backend=None):
+        super().__init__(backend, window=window)
+        self.window = window
+
+    def rule(self, h, i, j, n, num_heads):
+        return (j == 0) | (i - j < self.window)
+
+    def forward(self, q, k, v, backend):  # a toy's fast path: the dense reference itself
+        return dense_attention(q, k, v, self.mask(q.shape[2], q.shape[1]))
+
+
+# --- walkthrough 2: a training-free method -----------------------------------------------------
+class ToyWindow(methods.Method):
+    """Causal attention over the last ``size`` keys, KV cache included."""
+
+    name = "toy_window"
+    supports = methods.Supports(training=False, ppl=True, kv_cache=True, padding=("right",))
+
+    def __init__(self, size: int = 512):
+        self.size = size
+
+    def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        self.check_inputs(attention_mask, dropout)
+        nq, nk = query.shape[2], key.shape[2]
+        i = torch.arange(nk - nq, nk)[:, None]
+        j = torch.arange(nk)[None, :]
+        groups = query.shape[1] // key.shape[1]
+        out = F.scaled_dot_product_attention(query, key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1),
+                                             attn_mask=(j <= i) & (i - j < self.size), scale=scaling)
+        return out.transpose(1, 2).contiguous(), None
+
+
+@pytest.fixture
+def registered():
+    attn_patterns.register(ToySink)
+    methods.register(ToyWindow)
+    yield
+    attn_patterns.PATTERNS.remove("toy_sink")
+    methods.METHODS.remove("toy_window")
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def test_new_pattern_and_method_reach_every_user_facing_path(registered, tmp_path, capsys):
+    model = tiny_llama()
+    ids = torch.randint(3, 300, (2, 40), generator=torch.Generator().manual_seed(0))
+    full = _logits(model, ids)
+    assert {"toy_sink", "toy_window"} <= set(methods.names())
+    # use_attention: both equal full attention while every key is in the window, and differ outside it
+    for name, wide, narrow in (("toy_sink", {"window": 40}, {"window": 4}), ("toy_window", {"size": 40}, {"size": 4})):
+        torch.testing.assert_close(_logits(use_attention(model, name, **wide), ids), full, atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(_logits(use_attention(model, name, **narrow), ids), full, atol=1e-3)
+    use_attention(model, "full")
+    # a recipe trains through the pattern and refuses the method, which cannot train
+    out = tmp_path / "run"
+    recipe = load_recipe("tiny", [f"train.output_dir={out}", f"data.cache_dir={tmp_path / 'cache'}", "train.report_to=[none]",
+                                  "deepspeed=null", "train.max_steps=2", "attention.pattern=toy_sink",
+                                  "attention.params={window: 16}"])
+    summary = train(recipe)
+    assert summary["steps"] == 2 and summary["final_loss"] > 0
+    assert json.loads((out / "adapter" / "sparse_ft.json").read_text())["train_attention"] == {"pattern": "toy_sink", "window": 16}
+    with pytest.raises(ValueError, match="toy_window.*cannot train"):
+        load_recipe("tiny", ["deepspeed=null", "attention.pattern=toy_window", "attention.params={}"])
+    # eval ppl takes the method by name, with its parameter
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 20)
+    capsys.readouterr()
+    assert main(["eval", "ppl", "--model", "tiny", "--data", str(text), "--lengths", "64", "--method", "toy_window",
+                 "--method-arg", "size=16"]) == 0
+    assert "| 64 |" in capsys.readouterr().out
