@@ -36,7 +36,7 @@ def parse_argv(argv: list[str]) -> tuple[str, list[str]]:
 def main() -> int:
     recipe_name, overrides = parse_argv(sys.argv[1:])
     from sparse_ft.config import load_recipe
-    from sparse_ft.train.loop import train
+    from sparse_ft.train.trainer import train
 
     try:
         recipe = load_recipe(recipe_name, overrides)

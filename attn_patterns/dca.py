@@ -30,7 +30,7 @@ their true positions and are re-rotated like any other.
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 

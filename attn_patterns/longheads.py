@@ -31,7 +31,7 @@ complete chunks and the queries since the last complete chunk (paper §2.4).
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F

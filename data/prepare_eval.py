@@ -16,7 +16,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from sparse_ft.evaluation.tokens import text_tokens, write_token_file
+from sparse_ft.data.token_files import write_token_file
+from sparse_ft.evaluation.tokens import text_tokens
 
 SHORTCUTS = {
     "pg19": ("emozilla/pg19", "validation"),
@@ -42,7 +43,7 @@ def main(argv=None) -> int:
 
             tokenizer = tiny_tokenizer()
         else:
-            from sparse_ft.train.model_setup import load_tokenizer
+            from sparse_ft.models import load_tokenizer
 
             tokenizer = load_tokenizer(args.tokenizer, args.trust_remote_code)
         tokens = text_tokens(source, tokenizer, args.split or split, args.text_column, args.max_tokens)

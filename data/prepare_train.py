@@ -7,7 +7,8 @@ import sys
 
 from sparse_ft.config import load_recipe
 from sparse_ft.data.packing import build_train_dataset, load_meta
-from sparse_ft.train.model_setup import base_model_path, load_tokenizer, materialize_tiny
+from sparse_ft.models import load_tokenizer, materialize_tiny
+from sparse_ft.train.model_setup import base_model_path
 
 
 def main(argv: list[str]) -> int:

@@ -9,12 +9,13 @@ mask interface hands the function the 2-D padding mask instead of an N×N one.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from attn_patterns import Pattern
-from sparse_ft.methods.base import Method
+if TYPE_CHECKING:  # sparse_ft.methods imports this module: at run time it is imported on use
+    from attn_patterns import Pattern
+    from sparse_ft.methods import Method
 
 IMPLEMENTATION = "sparse_ft"
 _METHOD_ATTR = "_sparse_ft_method"
@@ -50,14 +51,13 @@ def _register() -> None:
 
 
 # --- switching a model ----------------------------------------------------------------------
-def pretrained(model: torch.nn.Module):
-    """The transformers PreTrainedModel inside a possible PEFT / DeepSpeed wrapper."""
+def pretrained(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers PreTrainedModel inside a possible PEFT / DeepSpeed wrapper, whose config
+    and rotary embeddings are the ones to read and change; a model that contains none is
+    returned as it is. The one unwrapping helper of the toolkit."""
     from transformers import PreTrainedModel
 
-    for module in model.modules():
-        if isinstance(module, PreTrainedModel):
-            return module
-    raise ValueError(f"{type(model).__name__} contains no transformers PreTrainedModel")
+    return next((m for m in model.modules() if isinstance(m, PreTrainedModel)), model)
 
 
 def attention_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -88,8 +88,12 @@ def use_attention(model: torch.nn.Module, spec: "str | Method | Pattern", **para
     bit-identical to before. Returns the model."""
     from sparse_ft import methods
 
+    from transformers import PreTrainedModel
+
     method = methods.resolve(spec, "pattern", **params)
     base = pretrained(model)
+    if not isinstance(base, PreTrainedModel):
+        raise ValueError(f"{type(model).__name__} contains no transformers PreTrainedModel")
     layers = attention_layers(base)
     _check_supported(base, layers)
     method.check_model(base.config)  # fail now, not mid-forward

@@ -144,7 +144,7 @@ class Runner:
         from sparse_ft.data.corpus import PASSKEY_FRACTION, build_corpus, write_jsonl
         from sparse_ft.data.packing import build_train_dataset
         from sparse_ft.evaluation.tokens import load_tokens
-        from sparse_ft.train.model_setup import load_tokenizer
+        from sparse_ft.models import load_tokenizer
 
         tokenizer = load_tokenizer(self.cfg.base)
         recipe = self._recipe("full", 0)
@@ -174,7 +174,7 @@ class Runner:
         """Train, or reuse the adapter that a run of this exact recipe left: a change to the
         evaluation settings then costs no retraining."""
         from sparse_ft.evaluation.report import write_json
-        from sparse_ft.train.loop import train
+        from sparse_ft.train.trainer import train
 
         stamp = run_dir / "experiment_train.json"
         key = _row_key("train", recipe.to_dict())

@@ -4,13 +4,9 @@ config carries the adapter's RoPE configuration, so it loads anywhere with no sp
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
 from pathlib import Path
 
-import torch
-
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+from sparse_ft.models import DTYPES, atomic_directory, load_adapter_model, load_tokenizer
 
 
 def add_parser(sub) -> None:
@@ -24,17 +20,11 @@ def add_parser(sub) -> None:
 
 
 def merge(adapter: str, output: Path, base: str | None = None, dtype: str = "float32", trust_remote_code: bool = False) -> Path:
-    from sparse_ft.train.adapter import load_adapter_model
-    from sparse_ft.train.model_setup import load_tokenizer
-
     model = load_adapter_model(adapter, base, DTYPES[dtype], trust_remote_code).merge_and_unload()
-    tmp = output.with_name(output.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(str(tmp), safe_serialization=True)
     tokenizer_dir = adapter if (Path(adapter) / "tokenizer_config.json").exists() else model.config._name_or_path
-    load_tokenizer(str(tokenizer_dir), trust_remote_code).save_pretrained(str(tmp))
-    shutil.rmtree(output, ignore_errors=True)
-    os.replace(tmp, output)
+    with atomic_directory(output) as tmp:
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        load_tokenizer(str(tokenizer_dir), trust_remote_code).save_pretrained(str(tmp))
     return output
 
 

@@ -14,7 +14,6 @@ import json
 import math
 import os
 import platform
-import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -25,10 +24,10 @@ import torch
 from tqdm import tqdm
 
 from sparse_ft.data.corpus import PASSKEY_FRACTION
+from sparse_ft.models import DTYPES, atomic_directory
 
 ASSET_DIR = Path(__file__).resolve().parent.parent / "assets" / "tiny-base"
 CORPUS_DIR = Path("data/corpus/ctx256")
-SAVE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -56,8 +55,8 @@ class PretrainConfig:
     passkey_depths: list[float] = field(default_factory=lambda: [0.0, 0.5, 1.0])
 
     def validate(self) -> None:
-        if self.save_dtype not in SAVE_DTYPES:
-            raise ValueError(f"save_dtype={self.save_dtype!r} is unknown; allowed: {', '.join(SAVE_DTYPES)}")
+        if self.save_dtype not in DTYPES:
+            raise ValueError(f"save_dtype={self.save_dtype!r} is unknown; allowed: {', '.join(DTYPES)}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads={self.num_attention_heads} must be a multiple of "
                              f"num_key_value_heads={self.num_key_value_heads}")
@@ -166,15 +165,10 @@ def machine() -> dict:
 def save(model, tokenizer, stats: dict, output: Path, save_dtype: str) -> Path:
     """Written to a temporary directory and renamed: an interrupted save leaves the old one."""
     output = Path(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output.with_name(output.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.to(SAVE_DTYPES[save_dtype]).save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    (tmp / "pretrain_stats.json").write_text(json.dumps(stats, indent=1))
-    if output.exists():
-        shutil.rmtree(output)
-    os.replace(tmp, output)
+    with atomic_directory(output) as tmp:
+        model.to(DTYPES[save_dtype]).save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "pretrain_stats.json").write_text(json.dumps(stats, indent=1))
     return output
 
 
@@ -217,7 +211,7 @@ def add_parser(sub) -> None:
                 "context", "steps", "batch_size", "warmup_steps", "seed", "passkey_trials", "eval_windows"):
         p.add_argument("--" + key.replace("_", "-"), type=int, default=getattr(defaults, key))
     p.add_argument("--lr", type=float, default=defaults.lr)
-    p.add_argument("--save-dtype", default=defaults.save_dtype, choices=list(SAVE_DTYPES))
+    p.add_argument("--save-dtype", default=defaults.save_dtype, choices=list(DTYPES))
     p.add_argument("--init-from", type=Path, default=None, help="continue from this checkpoint (a second phase)")
     p.add_argument("--passkey-fraction", type=float, default=PASSKEY_FRACTION, help="when the corpus is built here")
     p.add_argument("--max-blocks", type=int, default=None, help="when the corpus is built here: stop after N blocks")

@@ -7,7 +7,6 @@ import transformers
 from transformers import AttentionInterface, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import attn_patterns
-from attn_patterns import Pattern
 from attn_patterns.reference import dense_attention
 from sparse_ft import methods, use_attention
 from sparse_ft.attention import current_method

@@ -6,8 +6,8 @@ import json
 import pytest
 
 from sparse_ft import config as cfg
-from sparse_ft.config import (find_recipe, format_recipe, load_recipe, parse_overrides, resolve_deepspeed_config,
-                              save_resolved)
+from sparse_ft.config import find_recipe, format_recipe, load_recipe, parse_overrides, save_resolved
+from sparse_ft.train.deepspeed import resolve_deepspeed_config
 
 
 def test_overrides_reach_any_dotted_key_with_yaml_types():

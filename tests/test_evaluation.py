@@ -10,6 +10,7 @@ import torch
 
 from sparse_ft.cli import main
 from sparse_ft import methods
+from sparse_ft.data import passkey_prompt
 from sparse_ft.evaluation import passkey, ppl
 from sparse_ft.evaluation.scoring import window_nll
 from sparse_ft.evaluation.windows import Window, plan
@@ -90,21 +91,21 @@ def test_chunked_loss_equals_the_full_logits_loss():
 @pytest.mark.parametrize("length,depth", [(2000, 0.0), (2000, 0.3), (1500, 0.5), (2001, 1.0)])
 def test_passkey_prompt_puts_the_needle_at_the_depth(length, depth):
     tok = tiny_tokenizer()
-    prompt = passkey.build_prompt(tok, length, depth, "48213")
+    prompt = passkey_prompt.build_prompt(tok, length, depth, "48213")
     assert len(prompt.ids) == length  # the filler is cut in tokens: the length is exact
     text = tok.decode(prompt.ids)
-    before = text.index(passkey.needle("48213"))
-    head = passkey.TASK + "\n"
+    before = text.index(passkey_prompt.needle("48213"))
+    head = passkey_prompt.TASK + "\n"
     # landmark's layout: task, filler, needle, filler, question, one per line
-    assert text.startswith(head) and text.endswith("\n" + passkey.QUESTION)
+    assert text.startswith(head) and text.endswith("\n" + passkey_prompt.QUESTION)
     assert text.count("48213") == 2 and text[before - 1] == "\n"
-    filler = text[len(head) : before - 1] + text[before + len(passkey.needle("48213")) + 1 : -len(passkey.QUESTION) - 1]
+    filler = text[len(head) : before - 1] + text[before + len(passkey_prompt.needle("48213")) + 1 : -len(passkey_prompt.QUESTION) - 1]
     assert prompt.filler_tokens == len(filler)  # bytes are tokens here
-    assert text[len(head) : before - 1] == (" ".join([passkey.FILLER] * 30))[: round(depth * len(filler))]
+    assert text[len(head) : before - 1] == (" ".join([passkey_prompt.FILLER] * 30))[: round(depth * len(filler))]
     assert prompt.needle_token == len(tok(head, add_special_tokens=False).input_ids) + round(depth * len(filler))
-    assert tok.decode(prompt.question_ids) == "\n" + passkey.QUESTION
+    assert tok.decode(prompt.question_ids) == "\n" + passkey_prompt.QUESTION
     with pytest.raises(ValueError, match="shorter than the prompt without filler"):
-        passkey.build_prompt(tok, 200, depth, "48213")
+        passkey_prompt.build_prompt(tok, 200, depth, "48213")
 
 
 def test_passkey_scoring_is_exact_match():
@@ -115,11 +116,11 @@ def test_passkey_scoring_is_exact_match():
 
 def test_reprefill_generation_equals_cached_generation():
     model, tok = tiny_llama(), tiny_tokenizer()
-    prompt = passkey.build_prompt(tok, 300, 0.5, "12345")
+    prompt = passkey_prompt.build_prompt(tok, 300, 0.5, "12345")
     cached = methods.cached_generate(model, tok, prompt.context_ids, prompt.question_ids, 6)
     assert methods.reprefill_generate(model, tok, prompt.context_ids, prompt.question_ids, 6) == cached
     assert not methods.get("s2").supports.kv_cache  # training patterns have no decode step: they re-run
-    assert methods.get("s2").generate(model, tok, prompt.context_ids, prompt.question_ids, 6) != [] 
+    assert methods.get("s2").generate(model, tok, prompt.context_ids, prompt.question_ids, 6) != []
 
 
 def test_methods_registry_and_rope_baselines():
@@ -204,7 +205,7 @@ def test_cli_end_to_end(tmp_path, capsys):
 
 
 def test_bin_token_files_and_bad_input(tmp_path, capsys):
-    from sparse_ft.evaluation.tokens import write_token_file
+    from sparse_ft.data.token_files import write_token_file
 
     path = write_token_file(np.arange(3, 303) % 380, tmp_path / "t.bin", 384, "byt5")
     assert json.loads(path.with_suffix(".json").read_text())["dtype"] == "uint16"
@@ -242,7 +243,7 @@ def test_prepare_eval_and_adapter_evaluation(tmp_path, capsys):
     from pathlib import Path
 
     from sparse_ft.config import load_recipe
-    from sparse_ft.train.loop import train
+    from sparse_ft.train.trainer import train
 
     script = Path(__file__).resolve().parent.parent / "data" / "prepare_eval.py"
     spec = importlib.util.spec_from_file_location("prepare_eval", script)

@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 from sparse_ft.experiment import QUICK, ExperimentConfig, Runner, config_from_args
-from sparse_ft.train.model_setup import materialize_tiny
+from sparse_ft.models import materialize_tiny
 
 MODULES = ["heapq", "textwrap", "bisect", "queue", "string", "fractions"]
 

@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from sparse_ft.config import DS_CONFIG_DIR, REPO_ROOT, load_recipe, recipe_names, resolve_deepspeed_config
+from sparse_ft.config import DS_CONFIG_DIR, REPO_ROOT, load_recipe, recipe_names
+from sparse_ft.train.deepspeed import resolve_deepspeed_config
 
 PAPER = ("scca_flow_8k", "scca_fixed_8k", "longmixed_8k", "s2_8k", "full_8k")
 DS_CONFIGS = sorted(p.stem for p in DS_CONFIG_DIR.glob("*.json"))

@@ -18,10 +18,10 @@ from safetensors.torch import load_file
 from sparse_ft import use_attention
 from sparse_ft.config import load_recipe
 from sparse_ft.train import checkpoint
-from sparse_ft.train.adapter import load_adapter_model, read_meta
+from sparse_ft.models import load_adapter_model, read_meta
 from sparse_ft.train.checkpoint import complete_checkpoints, find_resume
 from sparse_ft.train.distributed import init_distributed
-from sparse_ft.train.loop import train
+from sparse_ft.train.trainer import train
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 8

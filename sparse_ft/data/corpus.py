@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from sparse_ft.data.passkey_docs import passkey_document
 from sparse_ft.data.stdlib_text import iter_stdlib_documents
-from sparse_ft.evaluation.tokens import DTYPES, dtype_for, write_token_file
+from sparse_ft.data.token_files import DTYPES, dtype_for, write_token_file, write_tokens
 
 
 # Half the blocks: with 30 % the committed base formed no copy (induction) heads in 900 steps
@@ -93,10 +93,7 @@ def build_corpus(output_dir: Path, tokenizer, context: int = 256, passkey_fracti
     output_dir.mkdir(parents=True, exist_ok=True)
     vocab = len(tokenizer)
     dtype = dtype_for(vocab)
-    train_path = output_dir / "train.bin"
-    tmp = train_path.with_suffix(".bin.tmp")
-    np.asarray(blocks, dtype=DTYPES[dtype]).tofile(tmp)
-    tmp.replace(train_path)
+    train_path = write_tokens(blocks, output_dir / "train.bin", dtype)
     val_path = write_token_file(np.asarray(val), output_dir / "val.bin", vocab, type(tokenizer).__name__)
     manifest = {
         "python": platform.python_version(),

@@ -1,5 +1,5 @@
 """Synthetic passkey documents for training: the evaluator's own prompt
-(``sparse_ft.evaluation.passkey.build_prompt``) followed by its answer, sized to a window.
+(``sparse_ft.data.passkey_prompt.build_prompt``) followed by its answer, sized to a window.
 
 A model can only be asked to retrieve a passkey past its pretraining length if it retrieves
 one inside it. At byte level the prompt's task header nearly fills a 256-token window, so
@@ -11,22 +11,18 @@ from __future__ import annotations
 
 import random
 
-from sparse_ft.evaluation.passkey import TASK, build_prompt
-
-
-def _ids(tokenizer, text: str) -> list[int]:
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+from sparse_ft.data.passkey_prompt import TASK, build_prompt, token_ids
 
 
 def answer_ids(tokenizer, key: str) -> list[int]:
-    return _ids(tokenizer, f" {key}.")
+    return token_ids(tokenizer, f" {key}.")
 
 
 def passkey_document(tokenizer, max_tokens: int, rng: random.Random) -> tuple[list[int], str]:
     """Token ids of one document of at most ``max_tokens`` tokens (prompt + answer), and its key."""
     key = str(rng.randint(10000, 99999))
     answer = answer_ids(tokenizer, key)
-    head = len(_ids(tokenizer, TASK + "\n"))
+    head = len(token_ids(tokenizer, TASK + "\n"))
     probe = build_prompt(tokenizer, 1024, 0.0, key)
     minimum = len(probe.ids) - probe.filler_tokens  # task, needle and question without filler
     keep_head = minimum + len(answer) <= max_tokens and rng.random() < 0.5

@@ -6,7 +6,7 @@ import argparse
 import platform
 from pathlib import Path
 
-import yaml
+from sparse_ft.config.keyvalue import parse_assignments
 
 
 def _ints(text: str, flag: str) -> list[int]:
@@ -20,16 +20,7 @@ def _ints(text: str, flag: str) -> list[int]:
 
 
 def _method_args(items: list[str]) -> dict:
-    params = {}
-    for item in items:
-        key, sep, raw = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--method-arg {item!r} must look like key=value")
-        try:
-            params[key] = yaml.safe_load(raw)
-        except yaml.YAMLError:
-            raise ValueError(f"--method-arg {item!r}: the value is not a YAML scalar") from None
-    return params
+    return dict(parse_assignments(items, "--method-arg"))
 
 
 def _model_flags(p: argparse.ArgumentParser) -> None:

@@ -4,16 +4,13 @@ quantisation through transformers' ``BitsAndBytesConfig``."""
 
 from __future__ import annotations
 
-import atexit
-import shutil
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+from sparse_ft.models import DTYPES, load_adapter_model, load_tokenizer, resolve_model
 
 
 def quantization(load_in_4bit: bool, load_in_8bit: bool, compute_dtype: str) -> Optional[Any]:
@@ -35,23 +32,6 @@ def quantization(load_in_4bit: bool, load_in_8bit: bool, compute_dtype: str) -> 
                               bnb_4bit_compute_dtype=DTYPES[compute_dtype])
 
 
-_TINY: dict[str, Path] = {}
-
-
-def resolve_model(model: str) -> str:
-    """``tiny`` becomes the built-in tiny Llama (seed 0) written to a per-process temporary
-    directory, so it loads (and quantises) like any checkpoint and never goes stale."""
-    if model != "tiny":
-        return model
-    if "dir" not in _TINY:
-        from sparse_ft.train.model_setup import materialize_tiny
-
-        root = Path(tempfile.mkdtemp(prefix="sparse-ft-tiny-"))
-        atexit.register(shutil.rmtree, root, ignore_errors=True)
-        _TINY["dir"] = materialize_tiny(root / "model", seed=0)
-    return str(_TINY["dir"])
-
-
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -62,9 +42,6 @@ def load(model: str, adapter: Optional[str] = None, dtype: str = "float32", load
     """Returns ``(model, tokenizer)`` in eval mode; every failure a one-line ValueError or
     FileNotFoundError naming the flag."""
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from sparse_ft.train.adapter import load_adapter_model
-    from sparse_ft.train.model_setup import load_tokenizer
 
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r} is unknown; allowed: {', '.join(DTYPES)}")

@@ -6,11 +6,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from sparse_ft.attention import pretrained
+
 CHUNK = 1024  # logit rows (batch × positions) at once: 1024 × 32k vocabulary in fp32 = 128 MB
 
 
 def _backbone_and_head(model: torch.nn.Module):
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = pretrained(model)
     return base, base.get_decoder(), base.get_output_embeddings()
 
 

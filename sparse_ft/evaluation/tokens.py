@@ -1,28 +1,16 @@
 """Evaluation token streams: a flat numpy token file (``.bin``, memory-mapped, as LongLoRA's
-eval data), or text tokenised with the model's tokenizer (documents joined by EOS).
-
-A ``.bin`` written here has a JSON sidecar (same name, ``.json``) with its dtype, token count
-and tokenizer, so readers need not be told the dtype."""
+eval data; its format is ``sparse_ft.data.token_files``), or text tokenised with the model's
+tokenizer (documents joined by EOS)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 
 import numpy as np
 from tqdm import tqdm
 
-DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
-
-
-def dtype_for(vocab_size: int) -> str:
-    return "uint16" if vocab_size <= 65536 else "uint32"
-
-
-def sidecar(path: Path) -> dict:
-    meta = path.with_suffix(".json")
-    return json.loads(meta.read_text()) if meta.is_file() else {}
+from sparse_ft.data.token_files import DTYPES, sidecar
 
 
 def load_tokens(data: str, tokenizer, vocab_size: int, data_dtype: Optional[str] = None, split: str = "validation",
@@ -72,20 +60,3 @@ def text_tokens(source: str, tokenizer, split: str = "validation", text_column: 
             break
     bar.close()
     return np.asarray(out[:max_tokens] if max_tokens else out, dtype=np.int64)
-
-
-def write_token_file(tokens: np.ndarray, path: Path, vocab_size: int, tokenizer_name: str) -> Path:
-    """``path`` (.bin, uint16 or uint32 by vocabulary size) plus its JSON sidecar, each written
-    atomically."""
-    if path.suffix != ".bin":
-        raise ValueError(f"--output {path} must end in .bin")
-    dtype = dtype_for(vocab_size)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".bin.tmp")
-    np.asarray(tokens, dtype=DTYPES[dtype]).tofile(tmp)
-    tmp.replace(path)
-    meta = {"dtype": dtype, "tokens": int(len(tokens)), "tokenizer": tokenizer_name, "vocab_size": int(vocab_size)}
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(meta, indent=1))
-    tmp.replace(path.with_suffix(".json"))
-    return path

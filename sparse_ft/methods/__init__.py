@@ -98,16 +98,15 @@ def for_training(name: str, params: dict, backend: Optional[str], dtype: str) ->
     """The method a recipe trains through, and its backend with ``auto`` resolved on this
     machine among the backends the method takes (flash-attn only where it can run: CUDA,
     fp16/bf16, installed). Every error says which recipe key is wrong."""
-    method = get(name, "attention.pattern", **params)
+    method = get(name, "pattern", **params)
     if not method.supports.training:
         trainable = names(lambda s: s.training)
-        raise ValueError(f"attention.pattern={name!r} cannot train (it is a training-free method); "
-                         f"allowed: {', '.join(trainable)}")
+        raise ValueError(f"pattern={name!r} cannot train (it is a training-free method); allowed: {', '.join(trainable)}")
     if backend == "auto":
         backend = auto_backend(dtype != "float32", method.supports.backends)
     if backend not in method.supports.backends:
         allowed = ", ".join(str(b) for b in method.supports.backends)
         raise ValueError(f"attention.backend={backend!r} is not one {name} runs on; allowed: {allowed}")
     if backend is not None:
-        method = get(name, "attention.pattern", **params, backend=backend)
+        method = get(name, "pattern", **params, backend=backend)
     return method, backend

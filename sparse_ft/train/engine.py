@@ -1,22 +1,23 @@
-"""One interface over the two ways a step runs: DeepSpeed (ZeRO 2/3, offload) or plain torch
-(one process, no DeepSpeed). The optimizer (AdamW with the recipe's settings) and the
-learning-rate schedule are the recipe's in both: the schedule is built here, never taken
-from a DeepSpeed config.
+"""One interface over the two ways a step runs: plain torch (one process, no DeepSpeed) here,
+and DeepSpeed (ZeRO 2/3, offload) in ``sparse_ft.train.deepspeed``, which subclasses it. The
+optimizer (AdamW with the recipe's settings) and the learning-rate schedule are the recipe's
+in both: the schedule is built here, never taken from a DeepSpeed config.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from contextlib import contextmanager
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
-import torch.distributed as dist
+from torch.optim.lr_scheduler import LambdaLR
 
 from sparse_ft.config import Recipe
 
 
-def schedule(recipe: Recipe, total_steps: int):
+def schedule(recipe: Recipe, total_steps: int) -> Callable[[int], float]:
     """lr multiplier per optimizer step: linear warmup, then constant / linear / cosine decay."""
     warmup, kind = recipe.train.warmup_steps, recipe.train.scheduler
 
@@ -43,9 +44,14 @@ class Engine:
         self.accum = recipe.train.gradient_accumulation_steps
         self.max_grad_norm = recipe.train.max_grad_norm
         trainable = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(trainable, lr=recipe.train.lr, weight_decay=recipe.train.weight_decay,
-                                           betas=tuple(recipe.train.betas), eps=1e-8)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule(recipe, total_steps))
+        self.optimizer, self.scheduler = self._build_optimizer(trainable, recipe, schedule(recipe, total_steps))
+
+    def _build_optimizer(self, trainable: list[torch.nn.Parameter], recipe: Recipe,
+                         factor: Callable[[int], float]) -> tuple[torch.optim.Optimizer, LambdaLR]:
+        """The optimizer over ``trainable`` and the schedule that scales its lr by ``factor``."""
+        optimizer = torch.optim.AdamW(trainable, lr=recipe.train.lr, weight_decay=recipe.train.weight_decay,
+                                      betas=tuple(recipe.train.betas), eps=1e-8)
+        return optimizer, LambdaLR(optimizer, factor)
 
     @property
     def module(self) -> torch.nn.Module:
@@ -118,102 +124,10 @@ class Engine:
         """Optimizer steps taken: AdamW's bias correction and the schedule's position."""
         for state in self._base_optimizer().state.values():
             state["step"] = self._step_value(steps)
-        self.scheduler.last_epoch = steps
-        lrs = [base * self.scheduler.lr_lambdas[0](steps) for base in self.scheduler.base_lrs]
-        self.scheduler._last_lr = lrs
-        for group, lr in zip(self.optimizer.param_groups, lrs):
-            group["lr"] = lr
-
-
-class DeepSpeedEngine(Engine):
-    def __init__(self, model: torch.nn.Module, recipe: Recipe, total_steps: int, ds_config: dict) -> None:
-        import deepspeed
-
-        self.accum = recipe.train.gradient_accumulation_steps
-        trainable = [p for p in model.parameters() if p.requires_grad]
-        factor = schedule(recipe, total_steps)
-        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=model, model_parameters=trainable, config=ds_config,
-            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, factor),
-        )
-        self.model = model
-        self.world_size = dist.get_world_size()
-        self.rank = dist.get_rank()
-        self.zero3 = ds_config.get("zero_optimization", {}).get("stage") == 3
-
-    @property
-    def module(self) -> torch.nn.Module:
-        return self.engine.module
-
-    def micro_step(self, batch: dict) -> float:
-        loss = self.engine(**batch).loss
-        self.engine.backward(loss)
-        self.engine.step()  # DeepSpeed steps the optimizer itself at accumulation boundaries
-        return loss.item()
-
-    def optimizer_step(self) -> float:
-        norm = self.engine.get_global_grad_norm()
-        return float(norm) if norm is not None else float("nan")
-
-    def mean(self, value: float) -> float:
-        tensor = torch.tensor([value], dtype=torch.float64, device=self.engine.device)
-        dist.all_reduce(tensor)
-        return tensor.item() / self.world_size
-
-    def barrier(self) -> None:
-        dist.barrier()
-
-    @contextmanager
-    def gathered(self, params: list[torch.nn.Parameter]) -> Iterator[None]:
-        import deepspeed
-
-        with deepspeed.zero.GatheredParameters(params, enabled=self.zero3):
-            yield
-
-    def get_master(self, p):
-        from deepspeed.utils import safe_get_full_fp32_param
-
-        value = safe_get_full_fp32_param(p)
-        return value.detach().float().cpu() if value is not None else super().get_master(p)
-
-    def set_master(self, p, value):
-        import deepspeed
-        from deepspeed.utils import safe_set_full_fp32_param
-
-        # the fp32 master the optimizer updates, and the working copy the forward pass reads
-        safe_set_full_fp32_param(p, value.to(self.engine.device))
-        with deepspeed.zero.GatheredParameters([p], modifier_rank=0, enabled=self.zero3):
-            if self.rank == 0 or not self.zero3:
-                with torch.no_grad():
-                    p.copy_(value.to(p.device, p.dtype).view_as(p))
-
-    def _base_optimizer(self) -> torch.optim.Optimizer:
-        return getattr(self.optimizer, "optimizer", self.optimizer)
-
-    def _state_keys(self) -> list[torch.Tensor]:
-        # ZeRO-3 hands its flat fp32 partitions to the base optimizer only during a step
-        return list(self.optimizer.fp32_partitioned_groups_flat) if self.zero3 else super()._state_keys()
-
-    def materialize_state(self) -> None:
-        super().materialize_state()
-        # ZeRO-1/2 and the bf16 optimizer map each parameter onto its slice of the state only
-        # after a first step; map the state created above the same way
-        link = getattr(self.optimizer, "_lazy_init_hp_params_optimizer_state", None)
-        if link is not None:
-            link()
-
-    def get_state(self, p, key):
-        from deepspeed.utils import safe_get_full_optimizer_state
-
-        value = safe_get_full_optimizer_state(p, key)
-        return value.detach().float().cpu() if value is not None else None
-
-    def set_state(self, p, key, value):
-        from deepspeed.utils import safe_set_full_optimizer_state
-
-        safe_set_full_optimizer_state(p, value.to(self.engine.device), key)
-
-    def set_steps(self, steps: int) -> None:
-        super().set_steps(steps)
-        self.engine.global_steps = steps
-        self.engine.global_samples = steps * self.engine.train_batch_size()
+        position = self.scheduler.state_dict()
+        position["last_epoch"] = steps - 1
+        self.scheduler.load_state_dict(position)
+        with warnings.catch_warnings():
+            # this step only moves the schedule to where the checkpoint left it; no update is skipped
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`")
+            self.scheduler.step()  # sets every group's lr for step ``steps``

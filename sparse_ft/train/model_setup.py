@@ -3,50 +3,21 @@ own RoPE scaling, LoRA+ adapters, and the training attention pattern."""
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
-from typing import Any, Optional
-
-import torch
+from typing import Optional
 
 from sparse_ft import rope
 from sparse_ft.attention import use_attention
 from sparse_ft.config import Recipe
+from sparse_ft.models import DTYPES
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _KEEP_ALIVE: list = []  # transformers reads the ZeRO-3 config through a weak global reference
-
-
-def materialize_tiny(directory: Path, seed: int, **overrides: Any) -> Path:
-    """The built-in tiny model, written once as an ordinary local checkpoint so that adapters
-    name a base that exists and every later step loads it like any other model."""
-    from sparse_ft.tiny import tiny_llama, tiny_tokenizer
-
-    if (directory / "config.json").exists():
-        return directory
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = directory.with_name(directory.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tiny_llama(seed=seed, **overrides).save_pretrained(tmp)
-    tiny_tokenizer().save_pretrained(tmp)
-    os.replace(tmp, directory)
-    return directory
 
 
 def base_model_path(recipe: Recipe) -> str:
     if recipe.model.name_or_path == "tiny":
         return str(Path(recipe.train.output_dir) / "base-model")
     return recipe.model.name_or_path
-
-
-def load_tokenizer(path: str, trust_remote_code: bool = False):
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
 
 
 def extended_config(path: str, target_length: int, method: str, trust_remote_code: bool = False):
@@ -71,10 +42,7 @@ def build_model(recipe: Recipe, path: str, ds_config: Optional[dict] = None):
     model = AutoModelForCausalLM.from_pretrained(
         path, config=config, dtype=DTYPES[recipe.model.dtype], trust_remote_code=recipe.model.trust_remote_code
     )
-    params: dict[str, Any] = dict(recipe.attention.params)
-    if recipe.attention.backend is not None:
-        params["backend"] = recipe.attention.backend
-    use_attention(model, recipe.attention.pattern, **params)
+    use_attention(model, recipe.attention.method)
     if recipe.train.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     lora = LoraConfig(

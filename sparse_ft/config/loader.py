@@ -1,0 +1,168 @@
+"""Recipes from YAML: found by name under ``recipes/`` (or given as a path), layered through
+their ``inherit`` chain and the command line's ``dotted.key=value`` overrides, typed against
+the schema and validated; and written back, resolved, beside a run's outputs."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import os
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from sparse_ft.config.keyvalue import parse_assignments
+from sparse_ft.config.paths import RECIPE_DIRS
+from sparse_ft.config.schema import Recipe, fail, validate
+
+
+def find_recipe(name_or_path: str) -> Path:
+    """``recipes/**/NAME.yaml``, or a path to a YAML file."""
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        if not path.is_file():
+            raise FileNotFoundError(f"recipe file {name_or_path} does not exist")
+        return path
+    found = sorted(p for d in RECIPE_DIRS for p in d.rglob(f"{name_or_path}.yaml"))
+    if not found:
+        known = recipe_names()
+        close = difflib.get_close_matches(name_or_path, known, n=3)
+        hint = f" (did you mean {', '.join(close)}?)" if close else ""
+        raise ValueError(f"recipe={name_or_path!r} not found under recipes/{hint}; known: {', '.join(known)}")
+    if len(found) > 1:
+        raise ValueError(f"recipe={name_or_path!r} is ambiguous: {', '.join(map(str, found))}; pass a path")
+    return found[0]
+
+
+def recipe_names() -> list[str]:
+    return sorted({p.stem for d in RECIPE_DIRS for p in d.rglob("*.yaml")})
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = copy.deepcopy(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _layer(base: dict, over: dict) -> dict:
+    """``over`` deep-merged onto ``base``. One pattern's parameters mean nothing to another, so
+    a layer that changes ``attention.pattern`` starts from that pattern's defaults: it keeps
+    only the ``attention.params`` it gives itself."""
+    base_att, over_att = base.get("attention"), over.get("attention")
+    if isinstance(base_att, dict) and isinstance(over_att, dict) and over_att.get("pattern", base_att.get("pattern")) != base_att.get("pattern"):
+        base = {**base, "attention": {k: v for k, v in base_att.items() if k != "params"}}
+    return _merge(base, over)
+
+
+def _read(path: Path, seen: tuple = ()) -> dict:
+    if path.resolve() in seen:
+        raise ValueError(f"recipe inherit cycle: {' -> '.join(map(str, seen + (path.resolve(),)))}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ValueError(f"recipe {path} is not valid YAML: {err}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"recipe {path} must be a YAML mapping of sections (model, attention, lora, data, train, deepspeed)")
+    parent = data.pop("inherit", None)
+    if parent:
+        data = _layer(_read(find_recipe(parent), seen + (path.resolve(),)), data)
+    return data
+
+
+def parse_overrides(overrides: list[str]) -> dict:
+    """``["train.lr=1e-4", "deepspeed=null"]`` -> nested dict; values are YAML scalars/lists."""
+    out: dict = {}
+    for item, (key, value) in zip(overrides, parse_assignments(overrides, "override", "dotted.key=value")):
+        node = out
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"override {item!r} conflicts with an earlier override of {part}")
+        node[parts[-1]] = value
+    return out
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp)).replace("typing.", "")
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:  # Optional[X]
+        if value is None:
+            return None
+        (inner,) = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _coerce(key, value, inner)
+    if origin is list:
+        (inner,) = typing.get_args(tp)
+        if isinstance(value, str) and inner is str:
+            value = [value]  # train.report_to=none on a command line
+        if not isinstance(value, list):
+            fail(key, value, f"expected a list of {_type_name(inner)}")
+        return [_coerce(f"{key}[{i}]", item, inner) for i, item in enumerate(value)]
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is float and isinstance(value, str):
+        try:
+            return float(value)  # YAML 1.1 reads "2e-5" as a string
+        except ValueError:
+            pass
+    if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+        fail(key, value, f"expected {_type_name(tp)}, got {type(value).__name__}")
+    return value
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    if not isinstance(data, dict):
+        fail(prefix.rstrip("."), data, f"expected a mapping with keys {', '.join(f.name for f in dataclasses.fields(cls))}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in data:
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
+            raise ValueError(f"unknown recipe key {prefix}{key}{hint}; allowed in {prefix.rstrip('.') or 'the recipe'}: {', '.join(names)}")
+    values = {}
+    for name in names:
+        if name not in data:
+            continue
+        tp = hints[name]
+        key = prefix + name
+        if dataclasses.is_dataclass(tp):
+            values[name] = _build(tp, data[name], key + ".")
+        else:
+            values[name] = _coerce(key, data[name], tp)
+    return cls(**values)
+
+
+def load_recipe(name_or_path: str, overrides: list[str] = ()) -> Recipe:
+    """The recipe ``name_or_path`` (name under recipes/ or a YAML path) with its ``inherit``
+    chain and ``dotted.key=value`` overrides applied, typed and validated."""
+    path = find_recipe(name_or_path)
+    data = _layer(_read(path), parse_overrides(list(overrides)))
+    recipe = _build(Recipe, data, "")
+    recipe.name = recipe.name or path.stem
+    validate(recipe)
+    return recipe
+
+
+def format_recipe(recipe: Recipe) -> str:
+    return yaml.safe_dump(recipe.to_dict(), sort_keys=False)
+
+
+def save_resolved(recipe: Recipe, output_dir: str | os.PathLike) -> Path:
+    """The exact configuration a run used, next to its outputs; ``recipe=<that file>`` reruns it."""
+    path = Path(output_dir) / "recipe.resolved.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(format_recipe(recipe))
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,196 @@
+"""The recipe's shape and its own checks: sections with types and defaults, the values each
+key allows, and the checks across keys (a DeepSpeed file that would train differently
+included), so that a bad recipe is refused when it loads, naming the dotted key, the value and
+what is allowed, before any model is loaded."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, NoReturn, Optional
+
+from sparse_ft.config.deepspeed_file import RECIPE_OWNED, is_auto, precision, read_deepspeed_config
+
+
+@dataclass
+class ModelSection:
+    name_or_path: str = "tiny"  # HF id, local directory, or "tiny": the built-in test model
+    dtype: str = "bfloat16"
+    target_length: int = 8192
+    rope_method: str = "linear"
+    trust_remote_code: bool = False
+    tiny: dict = field(default_factory=dict)  # LlamaConfig overrides for name_or_path=tiny
+
+
+@dataclass
+class AttentionSection:
+    pattern: str = "scca_flow"  # any trainable name of sparse_ft.methods.names()
+    params: dict = field(default_factory=dict)  # the pattern's parameters, checked against its signature
+    backend: Optional[str] = None  # null = sdpa; auto = flash-attn where installed (CUDA, fp16/bf16), else sdpa
+    # the method built from the keys above at validation, once (no recipe key: not a field)
+    method = None
+
+
+@dataclass
+class LoraSection:
+    r: int = 8
+    alpha: int = 16
+    dropout: float = 0.0  # LongLoRA fine-tune.py
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    # LongLoRA's LoRA+: embeddings and normalisation layers train too (PEFT modules_to_save,
+    # matched by name suffix: "norm" covers every RMSNorm).
+    extra_trainable: list[str] = field(default_factory=lambda: ["embed_tokens", "norm"])
+
+
+@dataclass
+class DataSection:
+    source: str = "hf://datasets/togethercomputer/RedPajama-Data-1T-Sample/*.jsonl"  # see sparse_ft/data/sources.py
+    split: str = "train"
+    text_column: str = "text"
+    min_tokens: int = 0
+    seq_len: Optional[int] = None  # default: model.target_length
+    cache_dir: str = ".cache/sparse-ft/data"
+    streaming: bool = False
+    max_documents: Optional[int] = None
+
+
+@dataclass
+class TrainSection:
+    output_dir: str = "runs/default"
+    max_steps: int = -1  # -1: num_epochs over the data
+    num_epochs: int = 1
+    lr: float = 2e-5
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    warmup_steps: int = 20
+    scheduler: str = "constant"
+    per_device_batch_size: int = 1
+    gradient_accumulation_steps: int = 8
+    gradient_checkpointing: bool = True
+    max_grad_norm: float = 1.0
+    seed: int = 42
+    save_steps: int = 1000
+    save_total_limit: int = 2
+    log_steps: int = 1
+    resume: str = "auto"  # auto | never | a checkpoint directory
+    report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
+
+
+@dataclass
+class Recipe:
+    model: ModelSection = field(default_factory=ModelSection)
+    attention: AttentionSection = field(default_factory=AttentionSection)
+    lora: LoraSection = field(default_factory=LoraSection)
+    data: DataSection = field(default_factory=DataSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    deepspeed: Optional[str] = None  # a file in ds_configs/ (name or path), or null
+    name: str = ""  # set from the recipe file
+
+    @property
+    def seq_len(self) -> int:
+        return self.data.seq_len or self.model.target_length
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+CHOICES = {
+    "model.dtype": ("float32", "float16", "bfloat16"),
+    "model.rope_method": ("linear", "dynamic", "yarn"),
+    "attention.backend": (None, "auto", "sdpa", "flash", "flex"),
+    "train.scheduler": ("constant", "linear", "cosine"),
+}
+POSITIVE = {"model.target_length", "lora.r", "lora.alpha", "train.per_device_batch_size",
+            "train.gradient_accumulation_steps", "train.save_steps", "train.log_steps", "train.num_epochs"}
+NON_NEGATIVE = {"train.warmup_steps", "train.weight_decay", "data.min_tokens"}
+REPORTERS = ("tensorboard", "wandb", "none")
+
+
+def fail(key: str, value: Any, allowed: str) -> NoReturn:
+    raise ValueError(f"recipe key {key}={value!r} is invalid: {allowed}")
+
+
+def validate(recipe: Recipe) -> None:
+    """All of a typed recipe's checks; the first that fails raises. ``attention.backend: auto``
+    is resolved here, on the machine that loads the recipe."""
+    flat = _flatten(recipe.to_dict())
+    for key, allowed in CHOICES.items():
+        if flat[key] not in allowed:
+            fail(key, flat[key], f"allowed: {', '.join(str(a) for a in allowed)}")
+    for keys, lowest in ((POSITIVE, 1), (NON_NEGATIVE, 0)):
+        for key in sorted(keys):
+            if flat[key] < lowest:
+                fail(key, flat[key], f"must be >= {lowest}")
+    train = recipe.train
+    if train.max_steps == 0 or train.max_steps < -1:
+        fail("train.max_steps", train.max_steps, "must be >= 1, or -1 to run train.num_epochs")
+    if train.lr <= 0:
+        fail("train.lr", train.lr, "must be > 0")
+    if train.max_grad_norm <= 0:
+        fail("train.max_grad_norm", train.max_grad_norm, "must be > 0 (gradients are clipped to this norm)")
+    if len(train.betas) != 2 or not all(0 <= b < 1 for b in train.betas):
+        fail("train.betas", train.betas, "two numbers in [0, 1)")
+    for reporter in train.report_to:
+        if reporter not in REPORTERS:
+            fail("train.report_to", train.report_to, f"entries allowed: {', '.join(REPORTERS)}")
+    if not 0 <= recipe.lora.dropout < 1:
+        fail("lora.dropout", recipe.lora.dropout, "must be in [0, 1)")
+    if not recipe.lora.target_modules:
+        fail("lora.target_modules", recipe.lora.target_modules, "at least one module name, e.g. [q_proj, k_proj, v_proj, o_proj]")
+    _check_data(recipe)
+    if recipe.model.tiny and recipe.model.name_or_path != "tiny":
+        fail("model.tiny", recipe.model.tiny, "only applies with model.name_or_path=tiny")
+    _check_attention(recipe)
+    if recipe.deepspeed is not None:
+        check_deepspeed(recipe, read_deepspeed_config(recipe.deepspeed))
+
+
+def _check_data(recipe: Recipe) -> None:
+    data = recipe.data
+    if data.max_documents is not None and data.max_documents < 1:
+        fail("data.max_documents", data.max_documents, "must be >= 1, or null for all")
+    if data.seq_len is not None and not 2 <= data.seq_len <= recipe.model.target_length:
+        fail("data.seq_len", data.seq_len,
+             f"must be in [2, model.target_length={recipe.model.target_length}], or null (= model.target_length)")
+
+
+def _check_attention(recipe: Recipe) -> None:
+    """Build the method the model trains through, once, so that every pattern, parameter and
+    backend error surfaces here. ``backend: auto`` is resolved on the machine that loads the
+    recipe (the one that trains), so the saved recipe names what ran."""
+    from sparse_ft import methods
+
+    att = recipe.attention
+    try:
+        att.method, att.backend = methods.for_training(att.pattern, att.params, att.backend, recipe.model.dtype)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"recipe key attention.pattern / attention.params: {err}") from None
+
+
+def check_deepspeed(recipe: Recipe, config: dict) -> None:
+    """Refuse a DeepSpeed config that would train differently from the recipe. (LongLoRA's
+    ZeRO-3 config carried its own optimizer and schedule, which the HF Trainer silently used
+    instead of the command line's.)"""
+    where = f"deepspeed config {recipe.deepspeed}"
+    for key in ("optimizer", "scheduler"):
+        if key in config and not is_auto(config[key]):
+            raise ValueError(
+                f"{where} sets {key!r}: the {key} is the recipe's (AdamW with train.lr, train.weight_decay, train.betas; "
+                f"train.scheduler with train.warmup_steps); remove it or write \"auto\""
+            )
+    for key, owned in RECIPE_OWNED.items():
+        if key in config and not is_auto(config[key]) and config[key] != owned(recipe.train):
+            raise ValueError(f"{where} sets {key}={config[key]!r} but the recipe says {owned(recipe.train)!r}; write \"auto\" there")
+    trains_in = precision(config)
+    if trains_in != recipe.model.dtype:
+        fail("model.dtype", recipe.model.dtype, f"{where} trains in {trains_in}; use a matching config or model.dtype={trains_in}")
+
+
+def _flatten(data: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and key not in ("params", "tiny"):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out

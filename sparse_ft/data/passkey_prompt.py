@@ -1,0 +1,78 @@
+"""The passkey prompt (landmark attention's ``run_test.py``, also LongLoRA's
+``passkey_retrivial.py``): task, filler, needle, filler, question, joined by newlines. The
+evaluator asks it (``sparse_ft.evaluation.passkey``) and the tiny corpus trains on it
+(``sparse_ft.data.passkey_docs``), so both see exactly the same text.
+
+Unlike landmark's, the filler is cut in tokens of the model's tokenizer, so the prompt has
+exactly the requested length and the needle sits after exactly ``round(depth * filler_tokens)``
+filler tokens; both fillers start at the beginning of the repeated filler text, as landmark's do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+TASK = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. "
+        "I will quiz you about the important information there.")
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+QUESTION = "What is the pass key? The pass key is"
+
+
+def needle(key: str) -> str:
+    return f"The pass key is {key}. Remember it. {key} is the pass key."
+
+
+@dataclass
+class Prompt:
+    """Context and question kept apart: ParallelComp ranks context chunks by the question."""
+
+    context_ids: list[int]  # (BOS,) task, filler, needle, filler
+    question_ids: list[int]
+    key: str
+    needle_token: int  # index in ``ids`` of the needle line (its leading newline)
+    filler_tokens: int  # filler tokens in the whole prompt; the needle follows round(depth * this)
+
+    @property
+    def ids(self) -> list[int]:
+        return self.context_ids + self.question_ids
+
+
+def token_ids(tokenizer, text: str) -> list[int]:
+    """The text's ids alone: no BOS or EOS, so pieces join into one prompt."""
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _leading_specials(tokenizer) -> list[int]:
+    """The BOS (or similar) the tokenizer puts in front of a text, if it does; never the EOS
+    some tokenizers append, which would end the prompt."""
+    plain = token_ids(tokenizer, "a")
+    full = tokenizer("a")["input_ids"]
+    for start in range(len(full) - len(plain) + 1):
+        if full[start : start + len(plain)] == plain:
+            return list(full[:start])
+    return []
+
+
+def _filler(tokenizer, count: int) -> list[int]:
+    """The first ``count`` tokens of the filler sentence repeated (space-joined)."""
+    per = max(1, len(token_ids(tokenizer, FILLER + " ")))
+    repeats = count // per + 2
+    ids = token_ids(tokenizer, " ".join([FILLER] * repeats))
+    return ids[:count]
+
+
+def build_prompt(tokenizer, length: int, depth: float, key: str) -> Prompt:
+    """A prompt of exactly ``length`` tokens with the needle after ``depth`` (0..1) of the filler."""
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"needle depth={depth} must be within [0, 1]")
+    head = _leading_specials(tokenizer) + token_ids(tokenizer, TASK + "\n")
+    hidden = token_ids(tokenizer, "\n" + needle(key) + "\n")
+    question = token_ids(tokenizer, "\n" + QUESTION)
+    room = length - len(head) - len(hidden) - len(question)
+    if room < 0:
+        raise ValueError(f"passkey length={length} is shorter than the prompt without filler ({length - room} tokens)")
+    before = round(depth * room)
+    context = head + _filler(tokenizer, before)
+    position = len(context)
+    context += hidden + _filler(tokenizer, room - before)
+    return Prompt(context, question, key, position, room)

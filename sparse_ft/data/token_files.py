@@ -1,0 +1,46 @@
+"""Flat token files: a ``.bin`` of uint16 or uint32 ids (LongLoRA's evaluation format, memory-
+mappable) with a JSON sidecar (same name, ``.json``) recording its dtype, token count and
+tokenizer, so readers need not be told the dtype. The corpus builder writes them, the
+evaluator reads them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+
+
+def dtype_for(vocab_size: int) -> str:
+    return "uint16" if vocab_size <= 65536 else "uint32"
+
+
+def sidecar(path: Path) -> dict:
+    meta = path.with_suffix(".json")
+    return json.loads(meta.read_text()) if meta.is_file() else {}
+
+
+def write_tokens(tokens: Any, path: Path, dtype: str) -> Path:
+    """The raw ids, written to a temporary file and renamed: a reader never sees half a file."""
+    tmp = path.with_suffix(".bin.tmp")
+    np.asarray(tokens, dtype=DTYPES[dtype]).tofile(tmp)
+    tmp.replace(path)
+    return path
+
+
+def write_token_file(tokens: np.ndarray, path: Path, vocab_size: int, tokenizer_name: str) -> Path:
+    """``path`` (.bin, uint16 or uint32 by vocabulary size) plus its JSON sidecar, each written
+    atomically."""
+    if path.suffix != ".bin":
+        raise ValueError(f"--output {path} must end in .bin")
+    dtype = dtype_for(vocab_size)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_tokens(tokens, path, dtype)
+    meta = {"dtype": dtype, "tokens": int(len(tokens)), "tokenizer": tokenizer_name, "vocab_size": int(vocab_size)}
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(meta, indent=1))
+    tmp.replace(path.with_suffix(".json"))
+    return path
