@@ -82,7 +82,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def main_train(args: argparse.Namespace) -> int:
-    import attn_patterns
+    from sparse_ft import methods
     from sparse_ft.bench import train_step
     from sparse_ft.bench.machine import describe
 
@@ -93,8 +93,8 @@ def main_train(args: argparse.Namespace) -> int:
     except argparse.ArgumentTypeError as err:
         raise ValueError(f"bench train: {err}") from None
     patterns = [p for p in args.patterns.split(",") if p]
-    for name in patterns:
-        attn_patterns.get(name)
+    for name in patterns:  # the names a recipe trains through
+        methods.for_training(name, {}, None, "float32")
     machine = describe(device)
     rows = train_step.run(lengths, patterns, str(device), dtype, args.warmup, args.repeats)
     title = f"training step (4-layer 256-dim Llama, 8 heads, batch 1, {dtype}) on {machine}"
