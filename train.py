@@ -36,15 +36,24 @@ def parse_argv(argv: list[str]) -> tuple[str, list[str]]:
 def main() -> int:
     recipe_name, overrides = parse_argv(sys.argv[1:])
     from sparse_ft.config import load_recipe
+    from sparse_ft.config.schema import BadInput
     from sparse_ft.train.trainer import train
 
     try:
         recipe = load_recipe(recipe_name, overrides)
     except (ValueError, FileNotFoundError) as err:
-        print(f"train.py: error: {err}", file=sys.stderr)
-        return 2
-    train(recipe)
+        return refuse(err)
+    try:
+        train(recipe)
+    except BadInput as err:  # found by the trainer's preflight, before anything loaded or was written
+        return refuse(err)
     return 0
+
+
+def refuse(err: Exception) -> int:
+    """A bad input: its one line, and exit status 2."""
+    print(f"train.py: error: {err}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

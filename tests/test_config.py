@@ -67,6 +67,16 @@ def test_bad_values_name_key_value_and_allowed(overrides, message):
         load_recipe("tiny", overrides)
 
 
+def test_values_at_the_edges_are_accepted(tmp_path):
+    checkpoint = tmp_path / "checkpoint-4"
+    checkpoint.mkdir()
+    (checkpoint / "meta.json").write_text("{}")
+    recipe = load_recipe("tiny", ["train.save_total_limit=0", f"train.resume={checkpoint}",  # 0: keep every checkpoint
+                                  "model.tiny={rope_theta: 500000.0, num_key_value_heads: 8, vocab_size: 512}"])
+    assert recipe.train.save_total_limit == 0 and recipe.train.resume == str(checkpoint)
+    assert recipe.model.tiny["vocab_size"] == 512
+
+
 def test_matching_overrides_together_are_fine():
     recipe = load_recipe("tiny", ["model.dtype=bfloat16", "deepspeed=zero3_bf16"])
     assert resolve_deepspeed_config(recipe, 1, on_cuda=False)["bf16"] == {"enabled": True}

@@ -1,4 +1,5 @@
 import json
+import re
 from types import SimpleNamespace
 
 import numpy as np
@@ -107,13 +108,70 @@ def test_remote_sources_fail_clearly_offline(monkeypatch):
         next(iter_texts("org/name"))
 
 
-def test_tiny_recipe_corpus_builds(tmp_path):
+def test_json_files_read_line_by_line_or_as_one_array(tmp_path):
+    (tmp_path / "a.jsonl").write_text('{"text": "one"}\n\n  \n{"other": 1}\n{"text": "two"}\n')  # blank lines, a row without text
+    assert list(iter_texts(str(tmp_path / "a.jsonl"))) == ["one", "two"]
+    (tmp_path / "b.json").write_text(json.dumps([{"text": "x"}, {"text": None}, {"text": "y"}], indent=2))
+    assert list(iter_texts(str(tmp_path / "b.json"))) == ["x", "y"]
+    (tmp_path / "c.json").write_text('[\n  {"text": "x"},\n  {"text": "y"\n]\n')
+    with pytest.raises(ValueError, match=r"c.json line 4: not valid JSON \(Expecting ',' delimiter at column 1\)$"):
+        list(iter_texts(str(tmp_path / "c.json")))
+    (tmp_path / "d.jsonl").write_text('{"text": "ok"}\n"just a string"\n')
+    with pytest.raises(ValueError, match=r"d.jsonl line 2: a JSON str, not an object with a 'text' field"):
+        list(iter_texts(str(tmp_path / "d.jsonl")))
+    (tmp_path / "e.jsonl").write_text(json.dumps({"text": None}) + "\n")
+    with pytest.raises(ValueError, match=r"e.jsonl: no documents"):
+        list(iter_texts(str(tmp_path / "e.jsonl")))
+
+
+def test_tiny_recipe_corpus_builds_and_a_cut_cache_is_rebuilt_whole(tmp_path, capsys):
+    """The issue's case: a token cache cut to 2 samples was trained on as 2 samples, not 489."""
     from sparse_ft.config import load_recipe
 
     recipe = load_recipe("tiny", [f"data.cache_dir={tmp_path}"])
     ds = build_train_dataset(recipe.data, tiny_tokenizer(), recipe.seq_len)
     meta = packing.load_meta(ds)
     assert len(ds) >= 100 and ds[0]["input_ids"].shape == (recipe.seq_len,) and meta["kept"] == meta["documents"]
+    samples = np.array(ds.samples)  # a copy: reading the map of a file cut short is a bus error
+    with open(ds.path, "r+b") as f:
+        f.truncate(2 * recipe.seq_len * 4)
+    again = build_train_dataset(recipe.data, tiny_tokenizer(), recipe.seq_len)
+    assert f"{2 * recipe.seq_len * 4} bytes on disk, but {meta['bytes']} recorded" in capsys.readouterr().err
+    assert len(again) == len(samples) == meta["samples"] and np.array_equal(again.samples, samples)
+
+
+@pytest.mark.parametrize("damage, said", [
+    (lambda tokens, meta: tokens.unlink(), "the tokens file is missing"),
+    (lambda tokens, meta: tokens.write_bytes(bytes(tokens.stat().st_size)), r"its sha256 differs from the one recorded \(the file was overwritten\)"),
+    (lambda tokens, meta: meta.write_text(meta.read_text()[:20]), r"its record \w+.json is not valid JSON"),
+    (lambda tokens, meta: meta.write_text(json.dumps({"tokens": 3})), r"its record \w+.json lacks bytes, sha256"),
+])
+def test_a_cache_that_differs_from_its_record_is_rebuilt(tmp_path, capsys, damage, said):
+    tok = tiny_tokenizer()
+    src = write_jsonl(tmp_path / "d.jsonl", ["hello world " * 20] * 5)
+    first = build_train_dataset(cfg(tmp_path, src), tok, seq_len=16)
+    expected = np.array(first.samples)
+    meta_path = first.path.with_suffix(".json")
+    assert json.loads(meta_path.read_text())["bytes"] == first.path.stat().st_size
+    damage(first.path, meta_path)
+    again = build_train_dataset(cfg(tmp_path, src), tok, seq_len=16)
+    err = capsys.readouterr().err  # the line, then the tokenizer's progress bar
+    assert re.search(f"^data cache .*{first.path.name}: {said}; rebuilding it$", err, re.MULTILINE), err
+    assert np.array_equal(again.samples, expected)
+    build_train_dataset(cfg(tmp_path, src), tok, seq_len=16)  # verified now: used as it is
+    assert capsys.readouterr().err == ""
+
+
+def test_check_source_reads_a_local_source_unless_its_cache_exists(tmp_path):
+    tok = tiny_tokenizer()
+    src = write_jsonl(tmp_path / "d.jsonl", ["hello world " * 20] * 5)
+    packing.check_source(cfg(tmp_path, src), tok, 16)
+    with open(src, "a") as f:
+        f.write('{"text": "cut')
+    packing.check_source(cfg(tmp_path, src, max_documents=5), tok, 16)  # the broken line is past what is read
+    with pytest.raises(ValueError, match=r"d.jsonl line 6: not valid JSON .*was it cut short\?"):
+        packing.check_source(cfg(tmp_path, src), tok, 16)
+    packing.check_source(cfg(tmp_path, "org/remote-dataset"), tok, 16)  # remote: read when the cache is built
 
 
 def test_tiny_corpus_is_small_and_from_the_stdlib():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, NoReturn, Optional
 
 from sparse_ft.config.deepspeed_file import RECIPE_OWNED, is_auto, precision, read_deepspeed_config
@@ -106,8 +107,21 @@ NON_NEGATIVE = {"train.warmup_steps", "train.weight_decay", "data.min_tokens"}
 REPORTERS = ("tensorboard", "wandb", "none")
 
 
+class BadInput(ValueError):
+    """A recipe value or input file the run cannot use, found before anything loaded or was
+    written: train.py prints its one line and exits 2, where any other error keeps its
+    traceback."""
+
+
 def fail(key: str, value: Any, allowed: str) -> NoReturn:
-    raise ValueError(f"recipe key {key}={value!r} is invalid: {allowed}")
+    raise BadInput(f"recipe key {key}={value!r} is invalid: {allowed}")
+
+
+def one_line(err: BaseException) -> str:
+    """The message of the error that caused ``err`` (transformers wraps its config checks in a
+    multi-line validation error), on one line."""
+    cause = err.__cause__ or err
+    return " ".join(str(cause).split()) or type(cause).__name__
 
 
 def validate(recipe: Recipe) -> None:
@@ -128,6 +142,9 @@ def validate(recipe: Recipe) -> None:
         fail("train.lr", train.lr, "must be > 0")
     if train.max_grad_norm <= 0:
         fail("train.max_grad_norm", train.max_grad_norm, "must be > 0 (gradients are clipped to this norm)")
+    if train.save_total_limit < 0:
+        fail("train.save_total_limit", train.save_total_limit, "must be >= 1 (checkpoints kept), or 0 to keep every checkpoint")
+    _check_paths(train)
     if len(train.betas) != 2 or not all(0 <= b < 1 for b in train.betas):
         fail("train.betas", train.betas, "two numbers in [0, 1)")
     for reporter in train.report_to:
@@ -138,8 +155,7 @@ def validate(recipe: Recipe) -> None:
     if not recipe.lora.target_modules:
         fail("lora.target_modules", recipe.lora.target_modules, "at least one module name, e.g. [q_proj, k_proj, v_proj, o_proj]")
     _check_data(recipe)
-    if recipe.model.tiny and recipe.model.name_or_path != "tiny":
-        fail("model.tiny", recipe.model.tiny, "only applies with model.name_or_path=tiny")
+    _check_tiny(recipe.model)
     _check_attention(recipe)
     if recipe.deepspeed is not None:
         check_deepspeed(recipe, read_deepspeed_config(recipe.deepspeed))
@@ -154,6 +170,33 @@ def _check_data(recipe: Recipe) -> None:
              f"must be in [2, model.target_length={recipe.model.target_length}], or null (= model.target_length)")
 
 
+def _check_paths(train: TrainSection) -> None:
+    """The output directory and the checkpoint to resume from: by the time the trainer reached
+    them it would have written into the output directory."""
+    if Path(train.output_dir).exists() and not Path(train.output_dir).is_dir():
+        fail("train.output_dir", train.output_dir, "a directory (to be created, or an earlier run's); this is a file")
+    if train.resume not in ("auto", "never"):
+        checkpoint = Path(train.resume)
+        if not (checkpoint / "meta.json").is_file():
+            found = "it has no meta.json (not a checkpoint, or one whose save did not finish)" if checkpoint.is_dir() else "no such directory"
+            fail("train.resume", train.resume, f"allowed: auto, never, or a checkpoint-N directory with meta.json; {found}")
+
+
+def _check_tiny(model: ModelSection) -> None:
+    """``model.tiny`` overrides build the tiny model's config now (no weights), so a misspelt
+    name or dimensions LlamaConfig refuses fail here rather than after the run has started."""
+    if not model.tiny:
+        return
+    if model.name_or_path != "tiny":
+        fail("model.tiny", model.tiny, "only applies with model.name_or_path=tiny")
+    from sparse_ft.tiny import tiny_llama_config
+
+    try:
+        tiny_llama_config(**model.tiny)
+    except Exception as err:  # LlamaConfig's checks raise several types, not all ValueError
+        fail("model.tiny", model.tiny, one_line(err))
+
+
 def _check_attention(recipe: Recipe) -> None:
     """Build the method the model trains through, once, so that every pattern, parameter and
     backend error surfaces here. ``backend: auto`` is resolved on the machine that loads the
@@ -164,7 +207,9 @@ def _check_attention(recipe: Recipe) -> None:
     try:
         att.method, att.backend = methods.for_training(att.pattern, att.params, att.backend, recipe.model.dtype)
     except (TypeError, ValueError) as err:
-        raise ValueError(f"recipe key attention.pattern / attention.params: {err}") from None
+        raise BadInput(f"recipe key attention.pattern / attention.params: {err}") from None
+    if att.backend == "flash" and recipe.model.dtype == "float32":
+        fail("attention.backend", att.backend, "flash-attn computes in float16/bfloat16 only and model.dtype is float32; use sdpa or auto")
 
 
 def check_deepspeed(recipe: Recipe, config: dict) -> None:
@@ -174,13 +219,13 @@ def check_deepspeed(recipe: Recipe, config: dict) -> None:
     where = f"deepspeed config {recipe.deepspeed}"
     for key in ("optimizer", "scheduler"):
         if key in config and not is_auto(config[key]):
-            raise ValueError(
+            raise BadInput(
                 f"{where} sets {key!r}: the {key} is the recipe's (AdamW with train.lr, train.weight_decay, train.betas; "
                 f"train.scheduler with train.warmup_steps); remove it or write \"auto\""
             )
     for key, owned in RECIPE_OWNED.items():
         if key in config and not is_auto(config[key]) and config[key] != owned(recipe.train):
-            raise ValueError(f"{where} sets {key}={config[key]!r} but the recipe says {owned(recipe.train)!r}; write \"auto\" there")
+            raise BadInput(f"{where} sets {key}={config[key]!r} but the recipe says {owned(recipe.train)!r}; write \"auto\" there")
     trains_in = precision(config)
     if trains_in != recipe.model.dtype:
         fail("model.dtype", recipe.model.dtype, f"{where} trains in {trains_in}; use a matching config or model.dtype={trains_in}")

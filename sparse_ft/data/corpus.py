@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from sparse_ft.data.passkey_docs import passkey_document
 from sparse_ft.data.stdlib_text import iter_stdlib_documents
-from sparse_ft.data.token_files import DTYPES, dtype_for, write_token_file, write_tokens
+from sparse_ft.data.token_files import DTYPES, dtype_for, sha256_file, write_token_file, write_tokens
 
 
 # Half the blocks: with 30 % the committed base formed no copy (induction) heads in 900 steps
@@ -39,10 +39,6 @@ PASSKEY_FRACTION = 0.5
 def is_validation(text: str, val_percent: float) -> bool:
     """Split by content hash: stable under reordering and across machines."""
     return int(hashlib.sha256(text.encode("utf-8")).hexdigest()[:8], 16) % 10000 < val_percent * 100
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def build_corpus(output_dir: Path, tokenizer, context: int = 256, passkey_fraction: float = PASSKEY_FRACTION,
@@ -102,7 +98,7 @@ def build_corpus(output_dir: Path, tokenizer, context: int = 256, passkey_fracti
         "passkey_fraction": passkey_fraction, "val_percent": val_percent,
         "train_blocks": len(blocks), "passkey_blocks": len(keys), "train_tokens": len(blocks) * context,
         "text_tokens_used": pos, "val_tokens": len(val),
-        "sha256": {"train.bin": _sha256(train_path), "val.bin": _sha256(val_path)},
+        "sha256": {"train.bin": sha256_file(train_path), "val.bin": sha256_file(val_path)},
     }
     (output_dir / "corpus.json").write_text(json.dumps(manifest, indent=1))
     return manifest

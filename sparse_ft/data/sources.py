@@ -1,7 +1,8 @@
 """Where documents come from. Every source yields plain strings, in a fixed order:
 
 - local jsonl / json / parquet / txt files: a file, a directory (searched recursively) or a glob;
-  a ``.txt`` file is one document, the others hold one document per row;
+  a ``.txt`` file is one document, the others hold one document per row. JSON files are read
+  here, line by line, so that a broken line is reported with its file and line number;
 - ``hf://datasets/OWNER/NAME/PATTERN``: files of a Hub dataset repository, read by datasets'
   json/parquet/text builders. This reaches data-only files of repositories whose loading script
   datasets >= 4 refuses to run, e.g. RedPajama's sample:
@@ -12,9 +13,10 @@
 from __future__ import annotations
 
 import glob
+import json
 import os
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
 HUB_FILES = "hf://"
@@ -28,39 +30,52 @@ def local_files(source: str) -> Optional[list[Path]]:
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.suffix in LOCAL_FORMATS)
         if not files:
-            raise FileNotFoundError(f"data source {source}: directory holds no {', '.join(LOCAL_FORMATS)} files")
+            raise FileNotFoundError(f"data.source {source}: directory holds no {', '.join(LOCAL_FORMATS)} files")
         return files
     if any(ch in source for ch in "*?["):
         files = sorted(Path(p) for p in glob.glob(os.path.expanduser(source), recursive=True) if Path(p).suffix in LOCAL_FORMATS)
         if not files:
-            raise FileNotFoundError(f"data source {source}: the pattern matches no {', '.join(LOCAL_FORMATS)} file")
+            raise FileNotFoundError(f"data.source {source}: the pattern matches no {', '.join(LOCAL_FORMATS)} file")
         return files
     if path.exists():
         if path.suffix not in LOCAL_FORMATS:
-            raise ValueError(f"data source {source}: unsupported file type {path.suffix!r}; allowed: {', '.join(LOCAL_FORMATS)}")
+            raise ValueError(f"data.source {source}: unsupported file type {path.suffix!r}; allowed: {', '.join(LOCAL_FORMATS)}")
         return [path]
     if path.suffix in LOCAL_FORMATS or source.startswith((".", "/", "~")):
-        raise FileNotFoundError(f"data source {source} does not exist")
+        raise FileNotFoundError(f"data.source {source} does not exist")
     return None
 
 
 def iter_texts(source: str, split: str = "train", text_column: str = "text", streaming: bool = False,
                trust_remote_code: bool = False) -> Iterator[str]:
-    """Documents of ``source`` (see the module docstring) in a fixed order. ``split`` applies to
-    HF dataset ids only; files are one split. ``streaming`` reads remote data without
-    downloading it first."""
+    """Documents of ``source`` (see the module docstring) in a fixed order; a source with none
+    is an error once it is read to the end. ``split`` applies to HF dataset ids only; files
+    are one split. ``streaming`` reads remote data without downloading it first (local JSON
+    files are always read line by line)."""
+    documents = 0
+    for text in _texts(source, split, text_column, streaming, trust_remote_code):
+        documents += 1
+        yield text
+    if documents == 0:
+        raise ValueError(f"data.source {source}: no documents (empty, or no row with a {text_column!r} value)")
+
+
+def _texts(source: str, split: str, text_column: str, streaming: bool, trust_remote_code: bool) -> Iterator[str]:
     files = local_files(source)
     if files is not None:
         for path in files:
-            if path.suffix == ".txt":
+            kind = LOCAL_FORMATS[path.suffix]
+            if kind == "text":
                 yield path.read_text(encoding="utf-8", errors="replace")
+            elif kind == "json":
+                yield from _json_texts(path, text_column)
             else:
-                yield from _column(_load_files(LOCAL_FORMATS[path.suffix], str(path), streaming), text_column, str(path))
+                yield from _column(_load_files(kind, str(path), streaming), text_column, str(path))
         return
     if source.startswith(HUB_FILES):
         suffix = Path(source).suffix
         if suffix not in LOCAL_FORMATS:
-            raise ValueError(f"data source {source}: name the files' type, e.g. {source.rstrip('/')}/*.jsonl; "
+            raise ValueError(f"data.source {source}: name the files' type, e.g. {source.rstrip('/')}/*.jsonl; "
                              f"allowed: {', '.join(LOCAL_FORMATS)}")
         ds = _remote(source, lambda: _load_files(LOCAL_FORMATS[suffix], source, streaming))
     else:
@@ -69,6 +84,50 @@ def iter_texts(source: str, split: str = "train", text_column: str = "text", str
         kwargs = {"trust_remote_code": True} if trust_remote_code else {}
         ds = _remote(source, lambda: datasets.load_dataset(source, split=split, streaming=streaming, **kwargs), split)
     yield from _column(ds, text_column, source)
+
+
+def _json_texts(path: Path, text_column: str) -> Iterator[str]:
+    """The ``text_column`` of every row of a local JSON file. A row without the column is
+    skipped like a null one (datasets' behaviour); a file where no row has it is an error."""
+    columns: set[str] = set()
+    for where, row in _json_rows(path):
+        if not isinstance(row, dict):
+            raise ValueError(f"data.source {path} {where}: a JSON {type(row).__name__}, not an object with a {text_column!r} field")
+        columns.update(row)
+        text = _text(row.get(text_column), text_column, f"{path} {where}")
+        if text is not None:
+            yield text
+    if columns and text_column not in columns:
+        raise _no_column(str(path), text_column, sorted(columns))
+
+
+def _json_rows(path: Path) -> Iterator[tuple[str, Any]]:
+    """``(where, value)`` for each row of a JSON-lines file, or of a file holding one JSON array
+    (datasets reads ``.json`` both ways); blank lines are skipped."""
+    with open(path, "rb") as f:
+        array = f.read(4096).lstrip().startswith(b"[")
+        f.seek(0)
+        if array:
+            yield from ((f"item {i}", row) for i, row in enumerate(_parse(f.read(), path, 1)))
+            return
+        for number, line in enumerate(f, 1):
+            if line.strip():
+                yield f"line {number}", _parse(line, path, number)
+
+
+def _parse(raw: bytes, path: Path, first_line: int) -> Any:
+    """``raw`` (the text from ``first_line`` on) as JSON; an error names the file and line."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = first_line + raw[: err.start].count(b"\n")
+        raise ValueError(f"data.source {path} line {line}: not UTF-8 text ({err.reason})") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        cut = "; the file ends in this line without a newline: was it cut short?" if not raw.endswith(b"\n") else ""
+        line = first_line + err.lineno - 1
+        raise ValueError(f"data.source {path} line {line}: not valid JSON ({err.msg.removesuffix(' at')} at column {err.colno}){cut}") from None
 
 
 def _load_files(kind: str, data_files: str, streaming: bool):
@@ -94,11 +153,19 @@ def _remote(source: str, load, split: Optional[str] = None):
 def _column(ds, text_column: str, where: str) -> Iterator[str]:
     columns = ds.column_names
     if columns is not None and text_column not in columns:
-        raise ValueError(f"data source {where} has no column {text_column!r}; its columns: {', '.join(columns)} (set data.text_column)")
+        raise _no_column(where, text_column, columns)
     for row in ds:
-        text = row[text_column]
-        if text is None:  # a missing value: no document
-            continue
-        if not isinstance(text, str):
-            raise ValueError(f"data source {where}: column {text_column!r} holds {type(text).__name__}, not text (set data.text_column)")
-        yield text
+        text = _text(row[text_column], text_column, where)
+        if text is not None:
+            yield text
+
+
+def _text(value: Any, text_column: str, where: str) -> Optional[str]:
+    """A row's document; None for a missing value (no document)."""
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"data.source {where}: column {text_column!r} holds {type(value).__name__}, not text (set data.text_column)")
+    return value
+
+
+def _no_column(where: str, text_column: str, columns: list[str]) -> ValueError:
+    return ValueError(f"data.source {where} has no column {text_column!r}; its columns: {', '.join(columns)} (set data.text_column)")

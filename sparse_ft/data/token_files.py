@@ -5,6 +5,7 @@ evaluator reads them."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,15 @@ DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 
 def dtype_for(vocab_size: int) -> str:
     return "uint16" if vocab_size <= 65536 else "uint32"
+
+
+def sha256_file(path: Path) -> str:
+    """A file's checksum, read in pieces: token files run to gigabytes."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for piece in iter(lambda: f.read(1 << 24), b""):
+            digest.update(piece)
+    return digest.hexdigest()
 
 
 def sidecar(path: Path) -> dict:

@@ -25,6 +25,7 @@ from sparse_ft.train.distributed import init_distributed
 from sparse_ft.train.engine import Engine
 from sparse_ft.train.metrics import MetricLog, peak_memory_mib
 from sparse_ft.train.model_setup import base_model_path, build_model
+from sparse_ft.train.preflight import preflight
 
 
 class DataOrder:
@@ -89,6 +90,7 @@ class Trainer:
     def run(self) -> dict:
         """Train to the end (resuming where a checkpoint allows) and save the adapter; returns
         the run's summary."""
+        preflight(self.recipe)  # every bad input fails here, in one line, before anything loads or is written
         self.setup_distributed()
         self.setup_data()
         self.setup_model()

@@ -1,0 +1,135 @@
+"""The checks a training run makes before it loads weights or writes a file: whatever needs
+the model's config, its module names, the tokenizer or the data's files, but no weights. A bad
+input then ends the run in one line naming the recipe key or the file, instead of a traceback
+after the weights have loaded. (The recipe's own checks ran when it loaded: config/schema.py.)"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from attn_patterns import kernels
+from sparse_ft.config import Recipe
+from sparse_ft.config.schema import BadInput, fail, one_line
+from sparse_ft.data.packing import check_source
+from sparse_ft.models import load_tokenizer
+from sparse_ft.tiny import tiny_llama_config, tiny_tokenizer
+
+
+def preflight(recipe: Recipe) -> None:
+    """Raise :class:`BadInput` for the first input this run cannot train with. Loads no weights
+    and writes nothing, so every rank runs it before the trainer starts."""
+    if recipe.attention.backend == "flash" and not kernels.flash_available():
+        fail("attention.backend", "flash", "flash-attn cannot run here (it needs the flash-attn package and a CUDA device); "
+             "use sdpa, or auto (flash where it can run)")
+    config = _model_config(recipe)
+    _check_heads(recipe, config)
+    _check_lora(recipe, _skeleton(recipe, config))
+    _check_data(recipe)
+
+
+def _model_key(recipe: Recipe) -> tuple[str, Any]:
+    """The recipe key that decides the model's shape."""
+    if recipe.model.name_or_path == "tiny":
+        return "model.tiny", recipe.model.tiny
+    return "model.name_or_path", recipe.model.name_or_path
+
+
+def _is_repo_id(name: str) -> bool:
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
+def _model_config(recipe: Recipe):
+    """The model's config: a missing local directory is reported as one, not as a bad Hub id."""
+    from transformers import AutoConfig
+
+    name = recipe.model.name_or_path
+    if name == "tiny":
+        return tiny_llama_config(**recipe.model.tiny)  # the schema has checked the overrides
+    path = Path(name)  # as from_pretrained will read it
+    if not path.exists() and not _is_repo_id(name):
+        fail("model.name_or_path", name, "no such local directory (a Hub model is named like meta-llama/Llama-2-7b-hf)")
+    if path.exists() and not (path / "config.json").is_file():
+        fail("model.name_or_path", name, "a local model is a directory with config.json; this has none")
+    try:
+        return AutoConfig.from_pretrained(name, trust_remote_code=recipe.model.trust_remote_code)
+    except Exception as err:  # hub, file and remote-code errors come in many types
+        where = "" if path.exists() else "not a local directory, and "
+        offline = " (HF_HUB_OFFLINE=1 is set)" if os.environ.get("HF_HUB_OFFLINE") == "1" else ""
+        fail("model.name_or_path", name, f"{where}its config cannot be read: {one_line(err)}{offline}")
+
+
+def _check_heads(recipe: Recipe, config) -> None:
+    """Grouped-query attention and the pattern both divide the heads; unchecked, either fails
+    in the first forward."""
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if heads is not None and heads % kv_heads:
+        fail(*_model_key(recipe), f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+    try:
+        recipe.attention.method.check_model(config)
+    except ValueError as err:
+        fail("attention.params", recipe.attention.params, str(err))
+
+
+def _skeleton(recipe: Recipe, config) -> torch.nn.Module:
+    """The model's modules on the meta device: their names and types, without memory or weights."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config, trust_remote_code=recipe.model.trust_remote_code)
+    except Exception as err:  # a config its model class cannot be built from; the error types vary
+        fail(*_model_key(recipe), f"a {config.model_type} model cannot be built from it ({type(err).__name__}: {one_line(err)})")
+
+
+def _lora_layers() -> tuple[type, ...]:
+    """The module types PEFT's LoRA wraps."""
+    from transformers.pytorch_utils import Conv1D
+
+    nn = torch.nn
+    return nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.MultiheadAttention, Conv1D
+
+
+def _leaf(name: str) -> str:
+    return name.rsplit(".", 1)[-1]
+
+
+def _check_lora(recipe: Recipe, model: torch.nn.Module) -> None:
+    """Every name in ``lora.target_modules`` and ``lora.extra_trainable`` matches modules the
+    way PEFT matches them; PEFT itself ignores a name that matches nothing while another does."""
+    lora, layers = recipe.lora, _lora_layers()
+    modules = {name: module for name, module in model.named_modules() if name}
+    for target in lora.target_modules:  # PEFT: the whole name, or its last dotted parts
+        matched = [m for name, m in modules.items() if name == target or name.endswith("." + target)]
+        if not matched or not all(isinstance(m, layers) for m in matched):
+            found = "names no module" if not matched else f"names a {type(matched[0]).__name__}, which LoRA cannot adapt"
+            names = sorted({_leaf(name) for name, m in modules.items() if isinstance(m, layers)})
+            fail("lora.target_modules", lora.target_modules, f"{target!r} {found}; the model's layers LoRA can adapt: {', '.join(names)}")
+    for suffix in lora.extra_trainable:  # PEFT modules_to_save: every module whose name ends with it
+        if not any(name.endswith(suffix) for name in modules):
+            ends = sorted({_leaf(name) for name in modules if not _leaf(name).isdigit()})
+            fail("lora.extra_trainable", lora.extra_trainable, f"{suffix!r} ends no module name; the model's names end in: {', '.join(ends)}")
+
+
+def _check_data(recipe: Recipe) -> None:
+    """The data source, read through before anything loads (see ``check_source``); a broken
+    file is reported by file and line."""
+    model = recipe.model
+    try:
+        tokenizer = tiny_tokenizer() if model.name_or_path == "tiny" else load_tokenizer(model.name_or_path, model.trust_remote_code)
+    except Exception as err:  # tokenizer files and remote code fail in many types
+        fail("model.name_or_path", model.name_or_path, f"its tokenizer cannot be loaded: {one_line(err)}")
+    try:
+        check_source(recipe.data, tokenizer, recipe.seq_len)
+    except (ValueError, OSError) as err:
+        raise BadInput(str(err)) from None
