@@ -33,27 +33,33 @@ def parse_argv(argv: list[str]) -> tuple[str, list[str]]:
     return recipe, overrides
 
 
+def fail(err: Exception, code: int) -> int:
+    print(f"train.py: error: {err}", file=sys.stderr)
+    return code
+
+
 def main() -> int:
+    """0 when trained; 2 when the recipe, its data or the output directory stop the run before
+    it trains (a one-line error, no traceback); 1 when a checkpoint cannot be written."""
     recipe_name, overrides = parse_argv(sys.argv[1:])
     from sparse_ft.config import load_recipe
-    from sparse_ft.config.schema import BadInput
-    from sparse_ft.train.trainer import train
+    from sparse_ft.train.checkpoint import CheckpointWriteError
+    from sparse_ft.train.trainer import Trainer
 
     try:
         recipe = load_recipe(recipe_name, overrides)
     except (ValueError, FileNotFoundError) as err:
-        return refuse(err)
+        return fail(err, 2)
+    trainer = Trainer(recipe)
     try:
-        train(recipe)
-    except BadInput as err:  # found by the trainer's preflight, before anything loaded or was written
-        return refuse(err)
+        trainer.run()
+    except CheckpointWriteError as err:
+        return fail(err, 1)
+    except (ValueError, FileNotFoundError) as err:  # preflight's BadInput included
+        if trainer.training:  # raised by the loop itself: its traceback is what to look at
+            raise
+        return fail(err, 2)
     return 0
-
-
-def refuse(err: Exception) -> int:
-    """A bad input: its one line, and exit status 2."""
-    print(f"train.py: error: {err}", file=sys.stderr)
-    return 2
 
 
 if __name__ == "__main__":

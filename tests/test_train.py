@@ -1,88 +1,27 @@
 """The single-process training path for real: a plain-torch run of the tiny recipe, a run killed
-by SIGKILL and one that crashes mid-save, both resumed to the uninterrupted loss curve, and the
-merged model. The two-process DeepSpeed run is in test_train_deepspeed.py."""
+by SIGKILL and one that crashes mid-save, both resumed to the uninterrupted loss curve, half
+precision over fp32 masters, and the merged model. The two-process DeepSpeed run is in
+test_train_deepspeed.py; faults of every kind in test_faults.py."""
 
 import json
 import os
 import runpy
+import shutil
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from sparse_ft import use_attention
+from helpers_train import (ROOT, STEPS, SimulatedCrash, assert_adapter_reproduces_probe, common, curve, losses,  # noqa: F401
+                           one_thread, reference, start, wait_for)
 from sparse_ft.config import load_recipe
+from sparse_ft.models import load_adapter_model
 from sparse_ft.train import checkpoint
-from sparse_ft.models import load_adapter_model, read_meta
 from sparse_ft.train.checkpoint import complete_checkpoints, find_resume
 from sparse_ft.train.distributed import init_distributed
 from sparse_ft.train.trainer import train
-
-ROOT = Path(__file__).resolve().parent.parent
-STEPS = 8
-# The base already has linear RoPE scaling x2: extending 256 -> 512 must compose to x4, not replace it.
-BASE_ROPE = "model.tiny={rope_parameters: {rope_type: linear, factor: 2.0, rope_theta: 10000.0}}"
-
-
-class SimulatedCrash(BaseException):
-    """Like a kill: nothing in the trainer may catch it."""
-
-
-def overrides(out, cache, *extra):
-    return [f"train.output_dir={out}", f"data.cache_dir={cache}", "train.report_to=[none]", *extra]
-
-
-def losses(out):
-    return [json.loads(line)["loss"] for line in (Path(out) / "log.jsonl").read_text().splitlines()]
-
-
-def assert_adapter_reproduces_probe(out):
-    """The saved adapter, reloaded with PeftModel.from_pretrained through the trained RoPE,
-    gives the logits the model had in memory before saving."""
-    adapter = Path(out) / "adapter"
-    tensors = load_file(str(adapter / "adapter_model.safetensors"))
-    assert tensors and all(t.numel() > 0 for t in tensors.values())
-    assert any("lora_A" in k for k in tensors) and any("embed_tokens" in k for k in tensors)
-    assert any("layernorm" in k for k in tensors) and "base_model.model.model.norm.weight" in tensors
-    meta = read_meta(adapter)
-    model = load_adapter_model(adapter).eval()
-    attention = dict(meta["train_attention"])
-    use_attention(model, attention.pop("pattern"), **attention)
-    probe = load_file(str(Path(out) / "adapter_probe.safetensors"))
-    with torch.no_grad():
-        logits = model(input_ids=probe["input_ids"]).logits
-    torch.testing.assert_close(logits, probe["logits"], atol=1e-4, rtol=1e-4)
-    return meta
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matrices on a shared CPU: extra OpenMP threads only spin (100x slower when the
-    machine is oversubscribed)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def common(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("cache")
-    return overrides("unset", cache, "deepspeed=null", f"train.max_steps={STEPS}", "train.save_steps=2",
-                     "train.save_total_limit=10", "train.gradient_checkpointing=true", BASE_ROPE)
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, common):
-    """One uninterrupted run that the other tests compare against."""
-    out = tmp_path_factory.mktemp("reference")
-    summary = train(load_recipe("tiny", [*common, f"train.output_dir={out}", "train.report_to=[tensorboard]"]))
-    return out, summary
 
 
 @pytest.mark.slow
@@ -98,7 +37,7 @@ def test_single_process_run_composes_rope_and_saves_a_complete_adapter(reference
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
     assert (out / "recipe.resolved.yaml").is_file()
     # nothing pickled: checkpoints are safetensors + JSON
-    assert complete_checkpoints(out) == [2, 4, 6]
+    assert complete_checkpoints(out) == [2, 4, 6, 8]  # the last step's too
     assert {p.suffix for p in (out / "checkpoint-4").iterdir()} == {".safetensors", ".json"}
     ckpt = json.loads((out / "checkpoint-4" / "meta.json").read_text())
     assert ckpt["data"]["micro_batches"] == 4 * 2 and len(ckpt["history"]) == 4 and ckpt["optimizer_steps"] == 4
@@ -109,33 +48,28 @@ def test_single_process_run_composes_rope_and_saves_a_complete_adapter(reference
 @pytest.mark.slow
 def test_killed_run_resumes_with_the_uninterrupted_loss_curve(tmp_path, common, reference):
     out = tmp_path / "killed"
-    argv = [sys.executable, str(ROOT / "train.py"), "recipe=tiny", *common, f"train.output_dir={out}"]
-    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    deadline = time.time() + 300
-    while not (out / "checkpoint-4" / "meta.json").exists():
-        assert proc.poll() is None and time.time() < deadline, "run ended before the kill"
-        time.sleep(0.01)
+    proc = start([str(ROOT / "train.py"), "recipe=tiny", *common, f"train.output_dir={out}"])
+    wait_for(out / "checkpoint-4" / "meta.json", proc)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL and not (out / "adapter").exists()
     assert find_resume(out, "auto") is not None
     resumed = train(load_recipe("tiny", [*common, f"train.output_dir={out}"]))
-    assert [r["loss"] for r in resumed["history"]] == [r["loss"] for r in reference[1]["history"]]
+    assert curve(resumed) == curve(reference[1])
     assert losses(out) == losses(reference[0])
 
 
 @pytest.mark.slow
 def test_crash_mid_save_resumes_from_the_last_complete_checkpoint(tmp_path, common, reference, monkeypatch):
     out = tmp_path / "crashed"
-    real_save = checkpoint._save
+    real_write = checkpoint._write_bytes
 
-    def crash_in_save_6(tensors, path):
+    def crash_in_save_6(path, data):
         if path.parent.name.startswith("checkpoint-6") and path.name == "optimizer.safetensors":
             raise SimulatedCrash("while writing checkpoint-6")
-        real_save(tensors, path)
+        real_write(path, data)
 
-    monkeypatch.setattr(checkpoint, "_save", crash_in_save_6)
+    monkeypatch.setattr(checkpoint, "_write_bytes", crash_in_save_6)
     with pytest.raises(SimulatedCrash):
         train(load_recipe("tiny", [*common, f"train.output_dir={out}"]))
     monkeypatch.undo()
@@ -143,8 +77,8 @@ def test_crash_mid_save_resumes_from_the_last_complete_checkpoint(tmp_path, comm
     assert len(half) == 1 and (half[0] / "trainable.safetensors").exists() and not (half[0] / "meta.json").exists()
     assert complete_checkpoints(out) == [2, 4] and find_resume(out, "auto") == out / "checkpoint-4"
     resumed = train(load_recipe("tiny", [*common, f"train.output_dir={out}"]))
-    assert [r["loss"] for r in resumed["history"]] == [r["loss"] for r in reference[1]["history"]]
-    assert complete_checkpoints(out) == [2, 4, 6] and not [p for p in out.iterdir() if ".tmp" in p.name]
+    assert curve(resumed) == curve(reference[1])
+    assert complete_checkpoints(out) == [2, 4, 6, 8] and not [p for p in out.iterdir() if ".tmp" in p.name]
 
 
 @pytest.mark.slow
@@ -152,13 +86,14 @@ def test_resume_refuses_a_changed_data_order(tmp_path, common, reference):
     out = tmp_path / "changed"
     out.mkdir()
     os.symlink(reference[0] / "checkpoint-2", out / "checkpoint-2")
-    with pytest.raises(ValueError, match=r"different data order \(seed: 42 then, 7 now\)"):
+    with pytest.raises(ValueError, match=r"other settings \(train\.seed: 42 then, 7 now\)"):
         train(load_recipe("tiny", [*common, f"train.output_dir={out}", "train.seed=7"]))
 
 
 def test_half_written_checkpoints_are_never_resumed(tmp_path):
     (tmp_path / "checkpoint-2").mkdir()
-    (tmp_path / "checkpoint-2" / "meta.json").write_text("{}")
+    (tmp_path / "checkpoint-2" / "trainable.safetensors").write_bytes(b"weights")
+    checkpoint.seal(tmp_path / "checkpoint-2", {"step": 2}, ["trainable.safetensors"])
     (tmp_path / "checkpoint-4.tmp").mkdir()  # crashed mid-save
     (tmp_path / "checkpoint-6").mkdir()  # renamed but meta missing: impossible by construction, ignored anyway
     assert complete_checkpoints(tmp_path) == [2]
@@ -166,6 +101,28 @@ def test_half_written_checkpoints_are_never_resumed(tmp_path):
     assert find_resume(tmp_path, "never") is None
     with pytest.raises(ValueError, match="not a complete checkpoint"):
         find_resume(tmp_path, str(tmp_path / "checkpoint-4.tmp"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_without_deepspeed_trains_the_norms_in_fp32_masters(tmp_path, common, dtype):
+    """At a 7B recipe's lr a norm weight's update (~2e-5) is far below half precision's spacing
+    near 1: updated in bf16/fp16 no norm would ever move. Over fp32 masters every one moves, the
+    adapter holds exactly the masters, and a resume (fp16: with its loss scale) is exact."""
+    out = tmp_path / dtype
+    run = [*common, f"model.dtype={dtype}", "train.lr=2e-5", "train.max_steps=4", "train.warmup_steps=0"]
+    summary = train(load_recipe("tiny", [*run, f"train.output_dir={out}"]))
+    masters = load_file(str(out / "checkpoint-4" / "trainable.safetensors"))
+    norms = {k.replace(".modules_to_save.default", ""): v for k, v in masters.items() if k.endswith("norm.modules_to_save.default.weight")}
+    assert len(norms) == 2 * 2 + 1 and all(v.dtype == torch.float32 for v in masters.values())
+    assert all((v != 1).all() for v in norms.values())  # every weight of every norm moved ...
+    assert all((v.to(getattr(torch, dtype)) == 1).all() for v in norms.values())  # ... by less than half precision resolves
+    adapter = load_file(str(out / "adapter" / "adapter_model.safetensors"))
+    assert all(torch.equal(adapter[k], v) for k, v in norms.items())
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    shutil.copytree(out / "checkpoint-2", resumed / "checkpoint-2")
+    assert curve(train(load_recipe("tiny", [*run, f"train.output_dir={resumed}"]))) == curve(summary)
 
 
 def test_plain_torch_refuses_a_multi_process_launch(monkeypatch):

@@ -1,9 +1,10 @@
 """A real two-process DeepSpeed ZeRO-3 run on CPU (gloo), started by the ``deepspeed`` launcher
 exactly as the README says: the adapter it saves is complete (ZeRO-3 partitions every
 parameter; saving without gathering writes empty tensors), reloads with
-PeftModel.from_pretrained to the logits the trained model had, and a relaunch resumes from the
-last complete checkpoint to the same losses; the same with ZeRO-3 offloading parameters and
-optimizer to the CPU (DeepSpeedCPUAdam, built by DeepSpeed on first use)."""
+PeftModel.from_pretrained to the logits the trained model had, and a relaunch, finding the
+final checkpoint damaged, resumes from the previous one to the same losses; the same with
+ZeRO-3 offloading parameters and optimizer to the CPU (DeepSpeedCPUAdam, built by DeepSpeed on
+first use)."""
 
 import json
 import socket
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from test_train import assert_adapter_reproduces_probe, losses, overrides
+from helpers_train import assert_adapter_reproduces_probe, losses, overrides
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -46,12 +47,16 @@ def test_two_process_deepspeed_zero3_on_cpu_saves_a_complete_adapter_and_resumes
     first = losses(out)
     assert len(first) == 4
 
-    # relaunch into the same directory: a half-written checkpoint-4 must be ignored
+    # relaunch into the same directory: the final checkpoint-4 truncated (rank 0 names it and
+    # falls back to checkpoint-2, the other rank follows) and a half-written one ignored
+    trainable = out / "checkpoint-4" / "trainable.safetensors"
+    trainable.write_bytes(trainable.read_bytes()[:100])
     (out / "checkpoint-4.tmp").mkdir()
     (out / "checkpoint-4.tmp" / "trainable.safetensors").write_bytes(b"half")
     for path in (out / "adapter_probe.safetensors", out / "train_summary.json"):
         path.unlink()
     done = launch(out, cache)
+    assert f"skipping checkpoint-4: {trainable}: 100 bytes, meta.json recorded" in done.stdout
     assert f"resumed from {out / 'checkpoint-2'} at step 2" in done.stdout
     assert losses(out) == pytest.approx(first, abs=1e-5)
     assert_adapter_reproduces_probe(out)
@@ -70,6 +75,7 @@ def test_zero3_offload_to_cpu_saves_a_complete_adapter_and_resumes(tmp_path):
     assert json.loads((out / "train_summary.json").read_text())["world_size"] == 2
     assert_adapter_reproduces_probe(out)
     first = losses(out)
+    (out / "checkpoint-4" / "meta.json").write_text("{")
     for path in (out / "adapter_probe.safetensors", out / "train_summary.json"):
         path.unlink()
     done = launch(out, cache, f"deepspeed={ds_config}")

@@ -74,6 +74,9 @@ class TrainSection:
     save_total_limit: int = 2
     log_steps: int = 1
     resume: str = "auto"  # auto | never | a checkpoint directory
+    # with resume=never: delete the checkpoint-* directories an earlier run left in output_dir (nothing else)
+    overwrite_output_dir: bool = False
+    resume_allow_changes: list[str] = field(default_factory=list)  # RESUME_KEYS a resume may find changed
     report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
 
 
@@ -105,6 +108,15 @@ POSITIVE = {"model.target_length", "lora.r", "lora.alpha", "train.per_device_bat
             "train.gradient_accumulation_steps", "train.save_steps", "train.log_steps", "train.num_epochs"}
 NON_NEGATIVE = {"train.warmup_steps", "train.weight_decay", "data.min_tokens"}
 REPORTERS = ("tensorboard", "wandb", "none")
+# What a resume must find as the checkpoint recorded it (the model, its adapters and attention, the
+# data and its order, the optimizer and its schedule): a change would continue another run.
+RESUME_KEYS = ("model.name_or_path", "model.dtype", "model.target_length", "model.rope_method", "model.tiny",
+               "attention.pattern", "attention.params", "attention.backend",
+               "lora.r", "lora.alpha", "lora.dropout", "lora.target_modules", "lora.extra_trainable",
+               "data.source", "data.split", "data.text_column", "data.min_tokens", "data.seq_len", "data.streaming",
+               "data.max_documents", "train.seed", "train.lr", "train.betas", "train.weight_decay", "train.scheduler",
+               "train.warmup_steps", "train.max_steps", "train.num_epochs", "train.per_device_batch_size",
+               "train.gradient_accumulation_steps", "train.max_grad_norm")
 
 
 class BadInput(ValueError):
@@ -150,6 +162,7 @@ def validate(recipe: Recipe) -> None:
     for reporter in train.report_to:
         if reporter not in REPORTERS:
             fail("train.report_to", train.report_to, f"entries allowed: {', '.join(REPORTERS)}")
+    _check_output_dir(train)
     if not 0 <= recipe.lora.dropout < 1:
         fail("lora.dropout", recipe.lora.dropout, "must be in [0, 1)")
     if not recipe.lora.target_modules:
@@ -159,6 +172,14 @@ def validate(recipe: Recipe) -> None:
     _check_attention(recipe)
     if recipe.deepspeed is not None:
         check_deepspeed(recipe, read_deepspeed_config(recipe.deepspeed))
+
+
+def _check_output_dir(train: TrainSection) -> None:
+    if train.overwrite_output_dir and train.resume != "never":
+        fail("train.overwrite_output_dir", True, f"only applies with train.resume=never (a fresh run), not {train.resume!r}")
+    for key in train.resume_allow_changes:
+        if key not in RESUME_KEYS:
+            fail("train.resume_allow_changes", train.resume_allow_changes, f"entries allowed: {', '.join(RESUME_KEYS)}")
 
 
 def _check_data(recipe: Recipe) -> None:

@@ -1,12 +1,16 @@
-"""Resumable checkpoints in safetensors + JSON, never pickle.
+"""Resumable checkpoints in safetensors + JSON, never pickle, that a resume can trust.
 
 A checkpoint is written into ``checkpoint-N.tmp``; only after every rank has written its part
 does rank 0 write ``meta.json`` and rename the directory to ``checkpoint-N``. A crash at any
 moment leaves either a complete ``checkpoint-N`` or a ``.tmp`` directory that resume ignores.
+``meta.json`` records every file's size and sha256 and its own checksum, so a resume refuses a
+checkpoint that a disk, a copy or a hand has damaged since, names the file, and falls back to
+the previous one.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -15,12 +19,21 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 
 from sparse_ft.train.engine import Engine
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
+META = "meta.json"
 _NAME = re.compile(r"^checkpoint-(\d+)$")
+
+
+class CorruptCheckpoint(ValueError):
+    """A checkpoint whose files do not match what its ``meta.json`` recorded."""
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint that could not be written (a full disk): the earlier ones are intact."""
 
 
 def trainable(engine: Engine) -> list[tuple[str, torch.nn.Parameter]]:
@@ -35,16 +48,99 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _write_bytes(path: Path, data: bytes) -> None:
+    """Every checkpoint byte goes through here, so that a failing write (ENOSPC) is an
+    ``OSError`` naming the file, and a written file is on disk before the next step."""
+    try:
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as err:
+        raise OSError(err.errno, err.strerror or str(err), str(path)) from err
+
+
 def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())
+    _write_bytes(path, save({k: v.contiguous() for k, v in tensors.items()}))
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _json_sha256(record: dict) -> str:
+    return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
+
+
+def rng_file(rank: int) -> str:
+    return f"rng-rank{rank}.safetensors"
+
+
+def seal(directory: Path, meta: dict, files: list[str]) -> None:
+    """Write ``meta.json`` last, with the size and sha256 of ``files`` (named, not listed: a
+    shared filesystem may list another node's file late) and a checksum of itself."""
+    record = {**meta, "files": {name: {"bytes": (directory / name).stat().st_size, "sha256": _sha256(directory / name)}
+                                for name in files}}
+    record["sha256"] = _json_sha256(record)
+    _write_bytes(directory / META, json.dumps(record, indent=1).encode())
+
+
+def verify(path: Path) -> dict:
+    """The checkpoint's metadata, once meta.json and every file it records match; otherwise
+    :class:`CorruptCheckpoint` naming the file and what is wrong with it."""
+    try:
+        record = json.loads((path / META).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CorruptCheckpoint(f"{path / META}: unreadable ({err})") from None
+    if not isinstance(record, dict) or record.pop("sha256", None) != _json_sha256(record):
+        raise CorruptCheckpoint(f"{path / META}: its checksum does not match its contents (corrupt, edited, or from an older sparse-ft)")
+    for name, expected in record["files"].items():
+        file = path / name
+        if not file.is_file():
+            raise CorruptCheckpoint(f"{file}: missing")
+        size = file.stat().st_size
+        if size != expected["bytes"]:
+            raise CorruptCheckpoint(f"{file}: {size} bytes, meta.json recorded {expected['bytes']} (truncated or overwritten)")
+        if _sha256(file) != expected["sha256"]:
+            raise CorruptCheckpoint(f"{file}: its sha256 differs from the one meta.json recorded (corrupt)")
+    return record
 
 
 def save_checkpoint(engine: Engine, output_dir: Path, step: int, meta: dict, keep: int) -> Optional[Path]:
-    """Collective: every rank calls it. Returns the final directory on rank 0."""
+    """Collective: every rank calls it. Returns the final directory on rank 0; raises
+    :class:`CheckpointWriteError` when a file cannot be written."""
     final = output_dir / f"checkpoint-{step}"
     tmp = output_dir / f"checkpoint-{step}.tmp"
+    try:
+        _write_parts(engine, tmp)
+        if engine.rank != 0:
+            return None
+        files = ["trainable.safetensors", "optimizer.safetensors", *map(rng_file, range(engine.world_size))]
+        seal(tmp, {**meta, "step": step, "optimizer_steps": engine.get_steps(), "world_size": engine.world_size,
+                   "amp": engine.amp_state()}, files)
+        _fsync_dir(tmp)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        _fsync_dir(output_dir)
+    except OSError as err:
+        if engine.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # frees what the failed write took
+        steps = complete_checkpoints(output_dir)
+        kept = f"the earlier checkpoints are intact (latest: checkpoint-{steps[-1]})" if steps else "no earlier checkpoint"
+        raise CheckpointWriteError(f"could not write {final}: {err.strerror or err}"
+                                   f"{f' ({err.filename})' if err.filename else ''}; {kept}: "
+                                   "free the space and relaunch to resume") from err
+    for old in sorted(complete_checkpoints(output_dir))[:-keep] if keep > 0 else []:
+        shutil.rmtree(output_dir / f"checkpoint-{old}", ignore_errors=True)
+    return final
+
+
+def _write_parts(engine: Engine, tmp: Path) -> None:
+    """Each rank's RNG; on rank 0 the full trainable tensors and Adam's moments."""
     if engine.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -59,57 +155,67 @@ def save_checkpoint(engine: Engine, output_dir: Path, step: int, meta: dict, kee
     rng = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
-    _save(rng, tmp / f"rng-rank{engine.rank}.safetensors")
+    _save(rng, tmp / rng_file(engine.rank))
     if engine.rank == 0:
         _save(params, tmp / "trainable.safetensors")
         _save(states, tmp / "optimizer.safetensors")
     engine.barrier()
-    if engine.rank != 0:
-        return None
-    meta = {**meta, "step": step, "optimizer_steps": engine.get_steps(), "world_size": engine.world_size}
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-    _fsync_dir(tmp)
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    _fsync_dir(output_dir)
-    for old in sorted(complete_checkpoints(output_dir))[:-keep] if keep > 0 else []:
-        shutil.rmtree(output_dir / f"checkpoint-{old}", ignore_errors=True)
-    return final
+
+
+def checkpoint_dirs(output_dir: Path) -> list[Path]:
+    """Every directory a run's checkpointing made (complete, half-written or ``.tmp``), by step."""
+    found = [p for p in output_dir.glob("checkpoint-*") if p.is_dir()] if output_dir.is_dir() else []
+    return sorted(found, key=lambda p: (int(re.sub(r"\D", "", p.name) or 0), p.name))
 
 
 def complete_checkpoints(output_dir: Path) -> list[int]:
     """Steps of checkpoints that finished writing (renamed, with meta.json)."""
-    if not output_dir.is_dir():
-        return []
     steps = []
-    for path in output_dir.iterdir():
+    for path in checkpoint_dirs(output_dir):
         match = _NAME.match(path.name)
-        if match and (path / "meta.json").is_file():
+        if match and (path / META).is_file():
             steps.append(int(match.group(1)))
     return sorted(steps)
 
 
 def find_resume(output_dir: Path, resume: str) -> Optional[Path]:
+    """The verified checkpoint ``train.resume`` names: with ``auto`` the newest usable one in
+    ``output_dir``, each unusable newer one reported in a line."""
     if resume == "never":
         return None
-    if resume == "auto":
-        steps = complete_checkpoints(output_dir)
-        return output_dir / f"checkpoint-{steps[-1]}" if steps else None
-    path = Path(resume)
-    if not (path / "meta.json").is_file():
-        raise ValueError(f"train.resume={resume!r}: not a complete checkpoint directory (no meta.json); use auto, never or a checkpoint-N path")
-    return path
+    if resume != "auto":
+        path = Path(resume)
+        if not (path / META).is_file():
+            raise ValueError(f"train.resume={resume!r}: not a complete checkpoint directory (no meta.json); use auto, never or a checkpoint-N path")
+        verify(path)
+        return path
+    problems = []
+    for step in reversed(complete_checkpoints(output_dir)):
+        path = output_dir / f"checkpoint-{step}"
+        try:
+            verify(path)
+        except CorruptCheckpoint as err:
+            problems.append(str(err))
+            print(f"train.resume=auto: skipping {path.name}: {err}", flush=True)
+            continue
+        return path
+    if problems:
+        raise CorruptCheckpoint(
+            f"train.resume=auto: no usable checkpoint in {output_dir} ({'; '.join(problems)}); move them away to start afresh, "
+            "or delete them with train.resume=never train.overwrite_output_dir=true"
+        )
+    return None
+
+
+def read_meta(path: Path) -> dict:
+    """The metadata of a checkpoint :func:`find_resume` verified."""
+    return json.loads((path / META).read_text())
 
 
 def load_checkpoint(engine: Engine, path: Path) -> dict:
     """Collective. Restores trainable weights, optimizer moments, step counts and this rank's
     RNG; returns the saved metadata."""
-    meta = json.loads((path / "meta.json").read_text())
-    if meta["world_size"] != engine.world_size:
-        raise ValueError(
-            f"checkpoint {path} was written by {meta['world_size']} processes, this run has {engine.world_size}: "
-            "the data order would differ; resume with the same number of processes"
-        )
+    meta = read_meta(path)
     params = load_file(str(path / "trainable.safetensors"))
     states = load_file(str(path / "optimizer.safetensors"))
     engine.materialize_state()
@@ -121,7 +227,8 @@ def load_checkpoint(engine: Engine, path: Path) -> dict:
             if f"{name}::{key}" in states:
                 engine.set_state(p, key, states[f"{name}::{key}"])
     engine.set_steps(meta["optimizer_steps"])
-    rng = load_file(str(path / f"rng-rank{engine.rank}.safetensors"))
+    engine.load_amp_state(meta["amp"])
+    rng = load_file(str(path / rng_file(engine.rank)))
     torch.set_rng_state(rng["torch"])
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state(rng["cuda"])

@@ -4,7 +4,7 @@ steps through DeepSpeed. ``deepspeed`` itself is imported only when a run uses i
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Iterator, Optional
 
 import torch
@@ -61,6 +61,12 @@ class DeepSpeedEngine(Engine):
         self.world_size = dist.get_world_size()
         self.rank = dist.get_rank()
         super().__init__(model, recipe, total_steps)
+
+    def _mixed_precision(self, trainable):
+        return None  # DeepSpeed keeps the fp32 masters and the loss scale itself
+
+    def autocast(self):
+        return nullcontext()  # the engine casts the model to the config's precision
 
     def _build_optimizer(self, trainable, recipe, factor):
         import deepspeed

@@ -2,6 +2,11 @@
 and DeepSpeed (ZeRO 2/3, offload) in ``sparse_ft.train.deepspeed``, which subclasses it. The
 optimizer (AdamW with the recipe's settings) and the learning-rate schedule are the recipe's
 in both: the schedule is built here, never taken from a DeepSpeed config.
+
+Plain torch with a bf16/fp16 model trains as HF Trainer does: the trainable parameters are fp32
+(the masters) and the forward runs under autocast in the model's dtype, with a loss scale for
+fp16. Updated in half precision, a norm weight near 1 never moves at a 7B recipe's lr (2e-5 is
+below half of bf16's spacing there, 2^-8). DeepSpeed keeps its own fp32 masters and loss scale.
 """
 
 from __future__ import annotations
@@ -9,12 +14,13 @@ from __future__ import annotations
 import math
 import warnings
 from contextlib import contextmanager
-from typing import Callable, Iterator, Optional
+from typing import Callable, ContextManager, Iterator, Optional
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from sparse_ft.config import Recipe
+from sparse_ft.models import DTYPES
 
 
 def schedule(recipe: Recipe, total_steps: int) -> Callable[[int], float]:
@@ -43,8 +49,19 @@ class Engine:
         self.model = model
         self.accum = recipe.train.gradient_accumulation_steps
         self.max_grad_norm = recipe.train.max_grad_norm
+        self.dtype = DTYPES[recipe.model.dtype]
         trainable = [p for p in model.parameters() if p.requires_grad]
+        self.scaler = self._mixed_precision(trainable)
         self.optimizer, self.scheduler = self._build_optimizer(trainable, recipe, schedule(recipe, total_steps))
+
+    def _mixed_precision(self, trainable: list[torch.nn.Parameter]) -> Optional[torch.amp.GradScaler]:
+        """fp32 masters for a half-precision model; fp16's loss scaler (gradients below its
+        smallest normal would vanish)."""
+        if self.dtype == torch.float32:
+            return None
+        for p in trainable:
+            p.data = p.data.float()
+        return torch.amp.GradScaler(trainable[0].device.type) if self.dtype == torch.float16 else None
 
     def _build_optimizer(self, trainable: list[torch.nn.Parameter], recipe: Recipe,
                          factor: Callable[[int], float]) -> tuple[torch.optim.Optimizer, LambdaLR]:
@@ -57,14 +74,27 @@ class Engine:
     def module(self) -> torch.nn.Module:
         return self.model
 
+    def autocast(self) -> ContextManager:
+        """Where the model runs forward: in its own dtype, over fp32 masters."""
+        device = next(self.model.parameters()).device.type
+        return torch.autocast(device, dtype=self.dtype, enabled=self.dtype != torch.float32)
+
     def micro_step(self, batch: dict) -> float:
-        loss = self.model(**batch).loss
-        (loss / self.accum).backward()
+        with self.autocast():
+            loss = self.model(**batch).loss
+        scaled = loss / self.accum
+        (self.scaler.scale(scaled) if self.scaler else scaled).backward()
         return loss.item()
 
     def optimizer_step(self) -> float:
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
-        self.optimizer.step()
+        if self.scaler:
+            self.scaler.step(self.optimizer)  # skipped when the scaled gradients overflowed
+            self.scaler.update()
+        else:
+            self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(norm)
@@ -116,6 +146,21 @@ class Engine:
             if not base.state.get(p):
                 base.state[p] = {"step": self._step_value(0), "exp_avg": torch.zeros_like(p),
                                  "exp_avg_sq": torch.zeros_like(p)}
+
+    def amp_state(self) -> dict:
+        """fp16's loss scale and the optimizer updates it let through (fewer than the steps
+        when some overflowed): a resume needs both to continue exactly. JSON."""
+        if self.scaler is None:
+            return {}
+        updates = [int(state["step"]) for state in self.optimizer.state.values()]
+        return {"grad_scaler": self.scaler.state_dict(), "updates": updates[0] if updates else 0}
+
+    def load_amp_state(self, state: dict) -> None:
+        if self.scaler is None or not state:  # not state: a checkpoint of another dtype, allowed by the recipe
+            return
+        self.scaler.load_state_dict(state["grad_scaler"])
+        for param_state in self.optimizer.state.values():
+            param_state["step"] = self._step_value(state["updates"])
 
     def get_steps(self) -> int:
         return self.scheduler.last_epoch

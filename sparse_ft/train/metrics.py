@@ -30,8 +30,9 @@ class MetricLog:
         if "tensorboard" in report_to:
             from torch.utils.tensorboard import SummaryWriter
 
-            # purge_step drops the events a killed run wrote after the checkpoint resumed from
-            self.tensorboard = SummaryWriter(str(output_dir / "tensorboard"), purge_step=len(history) + 1 if history else None)
+            # purge_step drops the events written after the checkpoint resumed from (by a killed
+            # run, or, when starting afresh, by an earlier run whose checkpoints were overwritten)
+            self.tensorboard = SummaryWriter(str(output_dir / "tensorboard"), purge_step=len(history) + 1)
         if "wandb" in report_to:
             try:
                 import wandb

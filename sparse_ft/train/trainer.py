@@ -1,7 +1,7 @@
 """The training recipe as one explicit class (torchtune style): ``Trainer.run`` calls its
-stages in order (processes, data, model, engine, resume, the loop, the adapter), each a short
-method that a variant can override. Deterministic data order, accumulation, logging,
-checkpoints and a bit-identical resume."""
+stages in order (processes and the output directory, data, model, engine, resume, the loop, the
+adapter), each a short method that a variant can override. Deterministic data order,
+accumulation, logging, checkpoints and a bit-identical resume."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -23,9 +23,11 @@ from sparse_ft.train.adapter import save_adapter
 from sparse_ft.train.deepspeed import DeepSpeedEngine, resolve_deepspeed_config
 from sparse_ft.train.distributed import init_distributed
 from sparse_ft.train.engine import Engine
+from sparse_ft.train.fingerprint import check_resume, fingerprint
 from sparse_ft.train.metrics import MetricLog, peak_memory_mib
 from sparse_ft.train.model_setup import base_model_path, build_model
 from sparse_ft.train.preflight import preflight
+from sparse_ft.train.rundir import RunLock, claim_checkpoints
 
 
 class DataOrder:
@@ -60,7 +62,7 @@ def write_probe(engine: Engine, input_ids: torch.Tensor, device: torch.device, p
 
     model = engine.module
     model.eval()
-    with torch.no_grad():  # collective under ZeRO-3: every rank runs it
+    with torch.no_grad(), engine.autocast():  # collective under ZeRO-3: every rank runs it
         logits = model(input_ids=input_ids[None].to(device)).logits.float().cpu()
     model.train()
     if engine.rank == 0:
@@ -86,31 +88,70 @@ class Trainer:
         self.recipe = recipe
         self.out = Path(recipe.train.output_dir)
         self.use_deepspeed = recipe.deepspeed is not None
+        self.lock = RunLock(self.out)
+        # False until the loop starts: an error before it is the recipe's or the directory's (train.py prints one line)
+        self.training = False
 
     def run(self) -> dict:
         """Train to the end (resuming where a checkpoint allows) and save the adapter; returns
-        the run's summary."""
-        preflight(self.recipe)  # every bad input fails here, in one line, before anything loads or is written
-        self.setup_distributed()
-        self.setup_data()
-        self.setup_model()
-        self.setup_engine()
-        self.maybe_resume()
-        self.train()
-        return self.save()
+        the run's summary. Every bad input fails in preflight, in one line, before anything
+        loads or is written; the output directory's lock is released however the rest ends."""
+        preflight(self.recipe)
+        try:
+            self.setup_distributed()
+            self.setup_data()
+            self.setup_model()
+            self.setup_engine()
+            self.maybe_resume()
+            self.training = True
+            self.train()
+            return self.save()
+        finally:
+            self.lock.release()
 
     def setup_distributed(self) -> None:
-        """Join the process group; rank 0 prepares the output directory (resolved recipe, the
-        tiny base model) while the others wait."""
+        """Join the process group; rank 0 takes the output directory while the others wait for
+        its verdict and the checkpoint to resume."""
         self.rank, self.world = init_distributed(self.use_deepspeed)
         self.barrier = dist.barrier if dist.is_initialized() else (lambda: None)
-        if self.rank == 0:
-            self.out.mkdir(parents=True, exist_ok=True)
-            save_resolved(self.recipe, self.out)
-            print(f"recipe {self.recipe.name}:\n{format_recipe(self.recipe)}", flush=True)
-            if self.recipe.model.name_or_path == "tiny":
-                materialize_tiny(self.out / "base-model", self.recipe.train.seed, **self.recipe.model.tiny)
-        self.barrier()
+        self.fingerprint = fingerprint(self.recipe, self.world)
+        resume = self.recipe.train.resume
+        step = self._decided_by_rank0(self._take_output_dir)
+        self.resume_from = None if step < 0 else Path(resume) if resume != "auto" else self.out / f"checkpoint-{step}"
+
+    def _take_output_dir(self) -> int:
+        """Rank 0: lock the directory, keep a fresh run from an earlier run's checkpoints, pick
+        the checkpoint to resume (verified) and check it was written with this recipe, all
+        before the resolved recipe and the tiny base are written. Returns its step, or -1."""
+        t = self.recipe.train
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.lock.acquire()
+        claim_checkpoints(self.out, t.resume, t.overwrite_output_dir)
+        found = checkpoint.find_resume(self.out, t.resume)
+        meta = checkpoint.read_meta(found) if found is not None else None
+        if meta is not None:
+            check_resume(meta["fingerprint"], self.fingerprint, t.resume_allow_changes, found)
+        save_resolved(self.recipe, self.out)
+        print(f"recipe {self.recipe.name}:\n{format_recipe(self.recipe)}", flush=True)
+        if self.recipe.model.name_or_path == "tiny":
+            materialize_tiny(self.out / "base-model", t.seed, **self.recipe.model.tiny)
+        return meta["step"] if meta is not None else -1
+
+    def _decided_by_rank0(self, decide: Callable[[], int]) -> int:
+        """``decide()`` on rank 0, its result on every rank. If it raises, the others stop too,
+        rather than wait at a barrier for a rank that is gone."""
+        if not dist.is_initialized():
+            return decide()
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+        value = torch.tensor([-2], dtype=torch.int64, device=device)  # -2: rank 0 failed
+        try:
+            if self.rank == 0:
+                value[0] = decide()
+        finally:
+            dist.broadcast(value, src=0)
+        if value.item() == -2:
+            raise ValueError(f"rank 0 could not start the run in train.output_dir={self.out} (its error says why)")
+        return int(value.item())
 
     def setup_data(self) -> None:
         """The packed training set (rank 0 tokenizes, the others then read its cache), its
@@ -126,10 +167,6 @@ class Trainer:
             self.dataset = build()
         self.order = DataOrder(len(self.dataset), recipe.train.per_device_batch_size, self.world, self.rank, recipe.train.seed)
         self.steps = total_steps(recipe, self.order)
-        # what fixes the data order: a resume with any of it changed would not see the same batches
-        self.data_identity = {"samples": len(self.dataset), "seq_len": recipe.seq_len, "seed": recipe.train.seed,
-                              "per_device_batch_size": recipe.train.per_device_batch_size,
-                              "gradient_accumulation_steps": recipe.train.gradient_accumulation_steps}
 
     def setup_model(self) -> None:
         """Base model, position interpolation, LoRA+ and the training pattern; under ZeRO-3
@@ -149,44 +186,41 @@ class Trainer:
         self.model.train()
 
     def maybe_resume(self) -> None:
-        """Continue from the checkpoint ``train.resume`` names (by default the latest complete
-        one), refusing one written with another data order."""
+        """Continue from the checkpoint rank 0 picked (verified, written with this recipe),
+        refusing one whose training set had another size: the data changed under the recipe."""
         self.start, self.history = 0, []
-        resume_from = checkpoint.find_resume(self.out, self.recipe.train.resume)
-        if resume_from is None:
+        if self.resume_from is None:
             torch.manual_seed(self.recipe.train.seed + 1000 * self.rank)  # dropout differs across ranks, reproducibly
             return
-        meta = checkpoint.load_checkpoint(self.engine, resume_from)
-        saved = {k: meta.get("data", {}).get(k) for k in self.data_identity}
-        changed = {k: (saved[k], v) for k, v in self.data_identity.items() if saved[k] != v}
-        if changed:
+        meta = checkpoint.load_checkpoint(self.engine, self.resume_from)
+        data_allowed = any(key.startswith(("data.", "model.")) for key in self.recipe.train.resume_allow_changes)
+        if meta["data"]["samples"] != len(self.dataset) and not data_allowed:
             raise ValueError(
-                f"train.resume: checkpoint {resume_from} was written with a different data order "
-                f"({', '.join(f'{k}: {a} then, {b} now' for k, (a, b) in changed.items())}); "
-                "restore those settings, or start afresh with train.resume=never or a new train.output_dir"
+                f"train.resume: {self.resume_from} was written when the training set had {meta['data']['samples']} samples, "
+                f"it has {len(self.dataset)} now (data.source changed): the data order would differ; "
+                "restore the data, or start afresh in a new train.output_dir"
             )
         self.start, self.history = meta["step"], meta["history"]
         if self.rank == 0:
-            print(f"resumed from {resume_from} at step {self.start}", flush=True)
+            print(f"resumed from {self.resume_from} at step {self.start}", flush=True)
 
     def train(self) -> None:
-        """Optimizer steps from ``start`` to the end: each logged, every ``save_steps`` a
-        checkpoint (not after the last: the adapter follows)."""
+        """Optimizer steps from ``start`` to the end: each logged, a checkpoint every
+        ``save_steps`` and after the last (a run killed while saving the adapter resumes there)."""
         t = self.recipe.train
         self.log = MetricLog(self.out, t.report_to, self.history) if self.rank == 0 else None
-        bar = tqdm(total=self.steps, initial=self.start, desc=f"train {self.recipe.name}", disable=self.rank != 0, unit="step")
-        for step in range(self.start, self.steps):
-            record = self._step(step)
-            self.history.append(record)
-            if self.log is not None:
-                report = (step + 1) % t.log_steps == 0 or step + 1 == self.steps
-                self.log.write(record, report)
-                if report:
-                    bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}", grad_norm=f"{record['grad_norm']:.3f}")
-            bar.update()
-            if (step + 1) % t.save_steps == 0 and step + 1 < self.steps:
-                self._checkpoint(step + 1)
-        bar.close()
+        with tqdm(total=self.steps, initial=self.start, desc=f"train {self.recipe.name}", disable=self.rank != 0, unit="step") as bar:
+            for step in range(self.start, self.steps):
+                record = self._step(step)
+                self.history.append(record)
+                if self.log is not None:
+                    report = (step + 1) % t.log_steps == 0 or step + 1 == self.steps
+                    self.log.write(record, report)
+                    if report:
+                        bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}", grad_norm=f"{record['grad_norm']:.3f}")
+                bar.update()
+                if (step + 1) % t.save_steps == 0 or step + 1 == self.steps:
+                    self._checkpoint(step + 1)
 
     def _step(self, step: int) -> dict:
         """One optimizer step over ``gradient_accumulation_steps`` micro-batches; its log record."""
@@ -207,8 +241,8 @@ class Trainer:
 
     def _checkpoint(self, step: int) -> None:
         micro = step * self.recipe.train.gradient_accumulation_steps
-        position = {**self.data_identity, "micro_batches": micro, "epoch": micro // self.order.per_epoch}
-        meta = {"history": self.history, "recipe": self.recipe.name, "data": position}
+        position = {"samples": len(self.dataset), "micro_batches": micro, "epoch": micro // self.order.per_epoch}
+        meta = {"history": self.history, "recipe": self.recipe.name, "data": position, "fingerprint": self.fingerprint}
         checkpoint.save_checkpoint(self.engine, self.out, step, meta, self.recipe.train.save_total_limit)
 
     def save(self) -> dict:

@@ -1,0 +1,226 @@
+"""Faults a training run meets, each injected on purpose: SIGKILL in the middle of a save, a
+corrupt latest checkpoint, a full disk, a second run in the same directory, a stale lock, a
+fresh run over an old one, a resume with the recipe changed. Every case asserts that nothing
+the user had is lost and, where the run resumes, that its loss curve is the uninterrupted one.
+(The two-process DeepSpeed fallback from a corrupt checkpoint is in test_train_deepspeed.py.)"""
+
+import errno
+import json
+import os
+import shutil
+import signal
+import socket
+from pathlib import Path
+
+import pytest
+
+from helpers_train import (common, curve, losses, one_thread, reference, snapshot, start, start_killed_during_save,  # noqa: F401
+                           train_py, wait_for)
+from sparse_ft.config import load_recipe
+from sparse_ft.train import checkpoint
+from sparse_ft.train.checkpoint import complete_checkpoints, verify
+from sparse_ft.train.rundir import LOCK, RunLock, claim_checkpoints
+from sparse_ft.train.trainer import train
+
+
+def run_in(out, common, *extra):
+    return ["recipe=tiny", *common, f"train.output_dir={out}", *extra]
+
+
+def resume(out, common, *extra) -> dict:
+    return train(load_recipe("tiny", [*common, f"train.output_dir={out}", *extra]))
+
+
+def copy_checkpoints(reference_dir: Path, out: Path, *steps: int) -> None:
+    out.mkdir()
+    for step in steps:
+        shutil.copytree(reference_dir / f"checkpoint-{step}", out / f"checkpoint-{step}")
+
+
+def one_error_line(err: str) -> str:
+    """train.py's error: one line, no traceback (progress bars may surround it)."""
+    lines = [line for line in err.splitlines() if line.startswith("train.py: error: ")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", ["checkpoint-6.tmp/optimizer.safetensors", "checkpoint-6.tmp/meta.json", "checkpoint-6"])
+def test_sigkill_during_save_refuses_a_second_run_and_resumes_exactly(tmp_path, common, reference, point, capsys):
+    """A run is killed halfway through a file of checkpoint 6, or right after renaming it into
+    place. While it runs, a second run into its directory is refused; after the kill its lock
+    is stale and the relaunch takes it over and resumes to the uninterrupted loss curve."""
+    out, gate = tmp_path / "run", tmp_path / "gate"
+    proc = start_killed_during_save(point, gate, run_in(out, common))
+    wait_for(gate.with_suffix(".waiting"), proc)
+    before = snapshot(out)
+    assert train_py(*run_in(out, common)) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert f"train.output_dir={out} is in use by another run (pid {proc.pid} on {socket.gethostname()}" in line
+    assert snapshot(out) == before
+    gate.touch()
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL and not (out / "adapter").exists()
+    kept = {step: snapshot(out / f"checkpoint-{step}") for step in complete_checkpoints(out)}
+    assert sorted(kept) == ([2, 4, 6] if point == "checkpoint-6" else [2, 4])
+    resumed = resume(out, common)
+    printed = capsys.readouterr().out
+    assert f"taking over the stale lock {out / LOCK} of pid {proc.pid}" in printed
+    assert f"resumed from {out / f'checkpoint-{max(kept)}'}" in printed
+    assert curve(resumed) == curve(reference[1]) and losses(out) == losses(reference[0])
+    assert all(snapshot(out / f"checkpoint-{step}") == files for step, files in kept.items())
+    assert complete_checkpoints(out) == [2, 4, 6, 8] and not (out / LOCK).exists()
+
+
+def truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, damage, problem", [
+    ("trainable.safetensors", truncate, "bytes, meta.json recorded"),
+    ("optimizer.safetensors", flip_a_byte, "its sha256 differs"),
+    ("meta.json", lambda p: p.write_text('{"step": 6, "hist'), "unreadable"),
+    ("meta.json", lambda p: p.write_text(p.read_text().replace('"step": 6', '"step": 7')), "checksum does not match"),
+])
+def test_a_corrupt_latest_checkpoint_is_named_and_the_previous_one_resumed(tmp_path, common, reference, name, damage, problem, capsys):
+    out = tmp_path / "run"
+    copy_checkpoints(reference[0], out, 2, 4, 6)
+    damage(out / "checkpoint-6" / name)
+    kept = {step: snapshot(out / f"checkpoint-{step}") for step in (2, 4)}
+    resumed = resume(out, common)
+    printed = capsys.readouterr().out
+    assert f"skipping checkpoint-6: {out / 'checkpoint-6' / name}: " in printed and problem in printed
+    assert f"resumed from {out / 'checkpoint-4'} at step 4" in printed
+    assert curve(resumed) == curve(reference[1])
+    assert all(snapshot(out / f"checkpoint-{step}") == files for step, files in kept.items())
+    verify(out / "checkpoint-6")  # written again by the resumed run
+
+
+def test_no_usable_checkpoint_is_a_clear_error(tmp_path, common, reference, capsys):
+    out = tmp_path / "run"
+    copy_checkpoints(reference[0], out, 4)
+    truncate(out / "checkpoint-4" / "optimizer.safetensors")
+    before = snapshot(out)
+    assert train_py(*run_in(out, common)) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert f"no usable checkpoint in {out} ({out / 'checkpoint-4' / 'optimizer.safetensors'}: " in line
+    assert snapshot(out) == before
+
+
+@pytest.mark.slow
+def test_a_full_disk_fails_the_save_clearly_and_the_relaunch_resumes_exactly(tmp_path, common, reference, monkeypatch, capsys):
+    out = tmp_path / "run"
+    write_bytes = checkpoint._write_bytes
+
+    def disk_full_in_checkpoint_6(path: Path, data: bytes) -> None:
+        if path.parent.name == "checkpoint-6.tmp" and path.name == "optimizer.safetensors":
+            with open(path, "wb") as f:
+                f.write(data[: len(data) // 3])
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        write_bytes(path, data)
+
+    monkeypatch.setattr(checkpoint, "_write_bytes", disk_full_in_checkpoint_6)
+    assert train_py(*run_in(out, common)) == 1
+    line = one_error_line(capsys.readouterr().err)
+    assert f"could not write {out / 'checkpoint-6'}: No space left on device" in line
+    assert "the earlier checkpoints are intact (latest: checkpoint-4)" in line
+    monkeypatch.undo()
+    assert complete_checkpoints(out) == [2, 4] and not (out / "checkpoint-6.tmp").exists() and not (out / LOCK).exists()
+    for step in (2, 4):
+        verify(out / f"checkpoint-{step}")
+        for name in ("trainable.safetensors", "optimizer.safetensors"):
+            assert (out / f"checkpoint-{step}" / name).read_bytes() == (reference[0] / f"checkpoint-{step}" / name).read_bytes()
+    assert curve(resume(out, common)) == curve(reference[1])
+
+
+def test_a_lock_held_elsewhere_is_refused_and_a_dead_one_here_taken_over(tmp_path, capsys):
+    lock = tmp_path / LOCK
+    lock.write_text(json.dumps({"pid": 1234, "host": "another-node", "since": 0}))
+    with pytest.raises(ValueError, match=rf"in use by another run \(pid 1234 on another-node, since .*delete {lock}"):
+        RunLock(tmp_path).acquire()
+    lock.write_text(json.dumps({"pid": os.getppid(), "host": socket.gethostname(), "since": 0}))  # alive
+    with pytest.raises(ValueError, match=f"pid {os.getppid()} on {socket.gethostname()}"):
+        RunLock(tmp_path).acquire()
+    dead = start(["-c", "pass"])  # a process that has exited
+    dead.wait()
+    lock.write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname(), "since": 0}))
+    mine = RunLock(tmp_path)
+    mine.acquire()
+    assert f"taking over the stale lock {lock} of pid {dead.pid}" in capsys.readouterr().out
+    assert json.loads(lock.read_text())["pid"] == os.getpid()
+    mine.release()
+    assert not lock.exists()
+
+
+@pytest.mark.slow
+def test_a_fresh_run_over_an_old_one_is_refused_unless_told_to_delete_its_checkpoints(tmp_path, common, reference, capsys):
+    """The issue's case: an earlier, longer run left checkpoint-10. A fresh run that kept it
+    would prune its own checkpoints by step and leave the old one for a later resume."""
+    out = tmp_path / "run"
+    shutil.copytree(reference[0], out)
+    shutil.copytree(out / "checkpoint-8", out / "checkpoint-10")
+    (out / "notes.txt").write_text("mine")
+    before = snapshot(out)
+    assert train_py(*run_in(out, common, "train.resume=never")) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert f"train.output_dir={out} holds an earlier run's checkpoints (checkpoint-2, checkpoint-4, checkpoint-6, checkpoint-8, checkpoint-10)" in line
+    assert "train.overwrite_output_dir=true" in line and snapshot(out) == before
+    assert train_py(*run_in(out, common, "train.resume=never", "train.overwrite_output_dir=true")) == 0
+    assert "train.overwrite_output_dir: deleted checkpoint-2, checkpoint-4, checkpoint-6, checkpoint-8, checkpoint-10 from" in capsys.readouterr().out
+    assert complete_checkpoints(out) == [2, 4, 6, 8] and losses(out) == losses(reference[0])
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+def test_overwrite_output_dir_deletes_checkpoints_and_nothing_else(tmp_path):
+    for name in ("checkpoint-2", "checkpoint-4.tmp", "adapter", "tensorboard"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "file").write_text(name)
+    for name in ("log.jsonl", "recipe.resolved.yaml", "notes.txt"):
+        (tmp_path / name).write_text(name)
+    others = {k: v for k, v in snapshot(tmp_path).items() if not k.startswith("checkpoint-")}
+    claim_checkpoints(tmp_path, "auto", overwrite=False)  # a resume claims nothing
+    claim_checkpoints(tmp_path, "never", overwrite=True)
+    assert snapshot(tmp_path) == others
+
+
+@pytest.mark.parametrize("change, named", [
+    ("lora.r=16", "lora.r: 8 then, 16 now"),
+    ("train.lr=0.002", "train.lr: 0.001 then, 0.002 now"),
+    ("attention.pattern=s2", "attention.pattern: 'scca_flow' then, 's2' now"),
+])
+def test_a_resume_with_a_changed_recipe_is_refused_by_name(tmp_path, common, reference, change, named, capsys):
+    out = tmp_path / "run"
+    copy_checkpoints(reference[0], out, 4)
+    shutil.copy(reference[0] / "recipe.resolved.yaml", out)
+    before = snapshot(out)
+    assert train_py(*run_in(out, common, change)) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert f"train.resume: {out / 'checkpoint-4'} was written with other settings (" in line and named in line
+    assert f"train.resume_allow_changes=[{change.split('=')[0]}" in line
+    assert snapshot(out) == before  # recipe.resolved.yaml included
+
+
+@pytest.mark.slow
+def test_a_change_the_recipe_allows_resumes(tmp_path, common, reference, capsys):
+    out = tmp_path / "run"
+    copy_checkpoints(reference[0], out, 4)
+    resumed = resume(out, common, "train.lr=0.002", "train.resume_allow_changes=[train.lr]")
+    assert f"resuming {out / 'checkpoint-4'} with train.lr: 0.001 then, 0.002 now" in capsys.readouterr().out
+    assert curve(resumed)[:4] == curve(reference[1])[:4] and curve(resumed)[4:] != curve(reference[1])[4:]
+    assert checkpoint.read_meta(out / "checkpoint-8")["fingerprint"]["train.lr"] == 0.002
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["train.overwrite_output_dir=true"], "train.overwrite_output_dir=True is invalid: only applies with train.resume=never"),
+    (["train.resume_allow_changes=[train.output_dir]"], "train.resume_allow_changes=['train.output_dir'] is invalid: entries allowed: model."),
+])
+def test_the_new_keys_are_checked_when_the_recipe_loads(extra, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        load_recipe("tiny", ["deepspeed=null", *extra])
