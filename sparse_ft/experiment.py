@@ -183,6 +183,9 @@ class Runner:
             if done["key"] == key and Path(done["summary"]["adapter"], "adapter_config.json").is_file():
                 print(f"reusing the adapter in {run_dir}")
                 return done["summary"], done["train_seconds"]
+            # the directory holds a finished run of other settings: this one starts afresh there
+            # (only its checkpoints go); an interrupted run of these settings resumes instead
+            recipe.train.resume, recipe.train.overwrite_output_dir = "never", True
         began = time.perf_counter()
         summary = train(recipe)
         seconds = time.perf_counter() - began
