@@ -47,6 +47,16 @@ def test_rerun_reuses_finished_rows(experiment):
     assert [r["ppl"] for r in again["rows"]] == [r["ppl"] for r in results["rows"]]
 
 
+def test_changed_settings_retrain_over_the_finished_run(experiment, tmp_path):
+    """The runs directory holds a finished run of 2 steps; 3 steps there start afresh (the
+    trainer would otherwise refuse to resume a run of other settings)."""
+    cfg, _ = experiment
+    changed = ExperimentConfig(**{**cfg.__dict__, "output": str(tmp_path / "out"), "seeds": [0], "steps": 3,
+                                  "free_methods": ["vanilla"]})
+    row = Runner(changed).run()["rows"][0]
+    assert row["name"] == "s2-seed0" and len(row["loss_curve"]) == 3
+
+
 def test_quick_flag_and_bad_names(experiment, tmp_path):
     import argparse
 
