@@ -1,7 +1,9 @@
-"""``sparse-ft`` command line: one sub-command per module, each adding its own parser.
+"""``sparse-ft`` command line: one sub-command per module.
 
-Each module in ``COMMANDS`` defines ``add_parser(subparsers)`` that registers its
-sub-command and sets ``func`` (called with the parsed namespace, returns an exit code).
+Each module in ``COMMANDS`` has ``HELP`` (one line) and ``configure(parser)``, which adds its
+flags and sets ``func`` (called with the parsed namespace, returns an exit code). Those modules
+import no torch or transformers at the top, only inside ``func``: building every parser costs
+nothing, so ``--help`` answers at once.
 """
 
 from __future__ import annotations
@@ -9,31 +11,84 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from typing import Optional
 
-COMMANDS = [
-    "sparse_ft.bench.cli",
-    "sparse_ft.merge",
-    "sparse_ft.evaluation.cli",
-    "sparse_ft.pretrain",
-    "sparse_ft.experiment",
-]
+from sparse_ft import __version__
+
+COMMANDS = {
+    "train": "sparse_ft.train.cli",
+    "eval": "sparse_ft.evaluation.cli",
+    "merge": "sparse_ft.merge",
+    "pretrain": "sparse_ft.pretrain",
+    "experiment": "sparse_ft.experiment",
+    "bench": "sparse_ft.bench.cli",
+}
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's help ends with its default, unless it has none worth printing (a switch, an
+    unset value) or the help already says what it is."""
+
+    def _get_help_string(self, action: argparse.Action) -> Optional[str]:
+        if action.default is None or action.default is False or action.default == [] or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+class Parser(argparse.ArgumentParser):
+    """The parser of the program and of every sub-command under it (argparse builds those with
+    the parent's class)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sparse-ft", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    for module in COMMANDS:
-        importlib.import_module(module).add_parser(sub)
+    parser = Parser(prog="sparse-ft", description="Extend the context of RoPE language models: "
+                    "sparse-attention LoRA fine-tuning, training-free methods, one evaluation path.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, module_name in COMMANDS.items():
+        module = importlib.import_module(module_name)
+        command = sub.add_parser(name, help=module.HELP, description=module.HELP)
+        command.set_defaults(prog=command.prog)
+        module.configure(command)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def run(args: argparse.Namespace) -> int:
+    """The command's exit code; a ValueError or missing file is one line on stderr and exit 2."""
     try:
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError) as err:
-        print(f"sparse-ft {args.command}: error: {err}", file=sys.stderr)
+        print(f"{args.prog}: error: {err}", file=sys.stderr)
         return 2
+
+
+def parse(parser: argparse.ArgumentParser, argv: Optional[list[str]]) -> argparse.Namespace:
+    """argparse ends a list of positionals at the first flag; ``key=value`` arguments after one
+    join a command's ``assignments`` (launchers put ``--local_rank`` first, people put flags
+    anywhere)."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if not isinstance(getattr(args, "assignments", None), list) or any(x.startswith("-") for x in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.assignments += extra
+    return args
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    return run(parse(build_parser(), argv))
+
+
+def script(name: str, prog: str, argv: Optional[list[str]] = None) -> int:
+    """One command as a program of its own (``train.py`` is ``sparse-ft train``)."""
+    module = importlib.import_module(COMMANDS[name])
+    parser = Parser(prog=prog, description=module.HELP)
+    parser.set_defaults(prog=prog)
+    module.configure(parser)
+    return run(parse(parser, argv))
 
 
 if __name__ == "__main__":

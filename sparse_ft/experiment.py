@@ -22,11 +22,11 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
 
-import torch
-
+from sparse_ft.config.paths import RECIPE_DIRS
 from sparse_ft.pretrain import ASSET_DIR, machine
 
-RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "experiment" / "tiny_4x.yaml"
+HELP = "the tiny base extended 4x by every pattern and training-free method: tables, plots"
+RECIPE = RECIPE_DIRS[0] / "experiment" / "tiny_4x.yaml"
 PATTERNS = ["full", "s2", "scca_fixed", "scca_flow", "longmixed"]
 # The training-free rows: the unchanged base ("vanilla"), then every method that does not
 # train, at its defaults but for the settings a 256-token base needs, each followed by its
@@ -270,22 +270,22 @@ def _list(kind):
     return parse
 
 
-def add_parser(sub) -> None:
-    d = ExperimentConfig()
-    p = sub.add_parser("experiment", help="the tiny base extended 4x by every pattern and training-free method: tables, plots")
+def configure(p: argparse.ArgumentParser) -> None:
+    d = ExperimentConfig  # the class's field defaults: an instance would load every method (and torch) to list them
     p.add_argument("--quick", action="store_true", help=f"smaller budget for a first look ({QUICK})")
-    p.add_argument("--base", default=d.base)
+    p.add_argument("--base", default=d.base, help="the pretrained base checkpoint")
     p.add_argument("--output", default=None, help=f"results folder (default {d.output}, with --quick {QUICK['output']})")
     p.add_argument("--runs", default=None, help=f"adapters (default {d.runs}, with --quick {QUICK['runs']})")
-    p.add_argument("--recipe", default=d.recipe)
+    p.add_argument("--recipe", default=d.recipe, help="the fine-tuning recipe every pattern shares")
     p.add_argument("--rope-method", default=d.rope_method, choices=["linear", "dynamic", "yarn"],
                    help="RoPE extension of the fine-tuned rows (default linear = PI); other methods write to "
                         "<output>-<method> and <runs>-<method> unless --output/--runs are given")
-    p.add_argument("--patterns", type=_list(str), default=None, help=",".join(d.patterns))
-    p.add_argument("--seeds", type=_list(int), default=None, help="default 0,1")
+    p.add_argument("--patterns", type=_list(str), default=None, help=f"trained patterns (default {','.join(PATTERNS)})")
+    p.add_argument("--seeds", type=_list(int), default=None, help="fine-tuning seeds (default 0,1)")
     p.add_argument("--steps", type=int, default=None, help=f"fine-tuning steps per run (default {d.steps})")
-    p.add_argument("--free-methods", type=_list(str), default=None, help=",".join(d.free_methods))
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--free-methods", type=_list(str), default=None,
+                   help="training-free rows (default: every registered training-free method and its ablations)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.set_defaults(func=run)
 
 
@@ -302,6 +302,8 @@ def config_from_args(args) -> ExperimentConfig:
 
 
 def run(args) -> int:
+    import torch
+
     if args.threads is not None:
         if args.threads < 1:
             raise ValueError(f"--threads {args.threads} must be >= 1")

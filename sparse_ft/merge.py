@@ -1,34 +1,49 @@
 """``sparse-ft merge``: fold a trained adapter into its base and write a plain HF model whose
-config carries the adapter's RoPE configuration, so it loads anywhere with no sparse-ft."""
+config carries the adapter's RoPE configuration, so it loads anywhere with no sparse-ft.
+
+The output is checked before anything loads: it may not overlap the adapter or the base, and
+it replaces only an earlier output of sparse-ft, with ``--overwrite``."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Optional
 
-from sparse_ft.models import DTYPES, atomic_directory, load_adapter_model, load_tokenizer
+from sparse_ft.config.schema import CHOICES
+
+HELP = "merge a trained adapter into its base model"
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser("merge", help="merge a trained adapter into its base model")
-    p.add_argument("--adapter", required=True, help="adapter directory written by train.py")
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--adapter", required=True, help="adapter directory written by sparse-ft train")
     p.add_argument("--base", default=None, help="base model (default: the one the adapter was trained on)")
-    p.add_argument("--output", required=True, type=Path, help="directory for the merged model (safetensors)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="dtype the merge runs and saves in")
-    p.add_argument("--trust-remote-code", action="store_true", help="allow the base model's own code (off by default)")
+    p.add_argument("--output", required=True, type=Path,
+                   help="directory for the merged model (safetensors); new, empty, or an earlier output with --overwrite")
+    p.add_argument("--overwrite", action="store_true", help="replace --output when it holds an earlier sparse-ft output")
+    p.add_argument("--dtype", choices=CHOICES["model.dtype"], default="float32", help="dtype the merge runs and saves in")
+    p.add_argument("--trust-remote-code", action="store_true", help="allow the base model's own code")
     p.set_defaults(func=main)
 
 
-def merge(adapter: str, output: Path, base: str | None = None, dtype: str = "float32", trust_remote_code: bool = False) -> Path:
+def merge(adapter: str, output: Path, base: Optional[str] = None, dtype: str = "float32", trust_remote_code: bool = False,
+          overwrite: bool = False) -> Path:
+    from sparse_ft.models import (DTYPES, adapter_base, atomic_directory, check_apart, check_output_dir,
+                                  load_adapter_model, load_tokenizer, read_meta)
+
+    output = Path(output)
+    base = base or adapter_base(adapter, read_meta(adapter))
+    check_apart(output, "--output", {"--adapter": adapter, "the base model": base})
+    check_output_dir(output, overwrite)
     model = load_adapter_model(adapter, base, DTYPES[dtype], trust_remote_code).merge_and_unload()
-    tokenizer_dir = adapter if (Path(adapter) / "tokenizer_config.json").exists() else model.config._name_or_path
-    with atomic_directory(output) as tmp:
+    tokenizer_dir = adapter if (Path(adapter) / "tokenizer_config.json").exists() else base
+    with atomic_directory(output, "sparse-ft merge", overwrite, "--output") as tmp:
         model.save_pretrained(str(tmp), safe_serialization=True)
         load_tokenizer(str(tokenizer_dir), trust_remote_code).save_pretrained(str(tmp))
     return output
 
 
 def main(args: argparse.Namespace) -> int:
-    out = merge(args.adapter, args.output, args.base, args.dtype, args.trust_remote_code)
+    out = merge(args.adapter, args.output, args.base, args.dtype, args.trust_remote_code, args.overwrite)
     print(f"merged model written to {out}")
     return 0

@@ -6,10 +6,14 @@ and a cosine schedule: nothing here is meant to be a general trainer (that is tr
 only a reproducible way to re-derive the committed ``assets/tiny-base`` checkpoint.
 It finishes by measuring what the experiment relies on: validation perplexity and passkey
 retrieval inside the window, both through ``sparse_ft.evaluation``.
+
+torch and numpy load inside the functions that use them, so ``sparse-ft --help`` builds this
+command's parser without them.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -17,16 +21,16 @@ import platform
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-import numpy as np
-import torch
-from tqdm import tqdm
+from sparse_ft.config.paths import TINY_BASE_DIR as ASSET_DIR
+from sparse_ft.config.schema import CHOICES
 
-from sparse_ft.data.corpus import PASSKEY_FRACTION
-from sparse_ft.models import DTYPES, atomic_directory
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
 
-ASSET_DIR = Path(__file__).resolve().parent.parent / "assets" / "tiny-base"
+HELP = "pretrain the tiny RoPE base model of the built-in experiment"
 CORPUS_DIR = Path("data/corpus/ctx256")
 
 
@@ -55,8 +59,8 @@ class PretrainConfig:
     passkey_depths: list[float] = field(default_factory=lambda: [0.0, 0.5, 1.0])
 
     def validate(self) -> None:
-        if self.save_dtype not in DTYPES:
-            raise ValueError(f"save_dtype={self.save_dtype!r} is unknown; allowed: {', '.join(DTYPES)}")
+        if self.save_dtype not in CHOICES["model.dtype"]:
+            raise ValueError(f"save_dtype={self.save_dtype!r} is unknown; allowed: {', '.join(CHOICES['model.dtype'])}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads={self.num_attention_heads} must be a multiple of "
                              f"num_key_value_heads={self.num_key_value_heads}")
@@ -82,6 +86,8 @@ def lr_at(step: int, cfg: PretrainConfig) -> float:
 
 
 def _optimizer(model: torch.nn.Module, cfg: PretrainConfig) -> torch.optim.Optimizer:
+    import torch
+
     # no decay on norms (1-D weights), as usual for transformers
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
@@ -93,6 +99,9 @@ def train(cfg: PretrainConfig, blocks: np.ndarray, progress: bool = True,
           init_from: Optional[Path] = None) -> tuple[torch.nn.Module, dict]:
     """Train on ``blocks`` (blocks, context) of token ids a fresh model, or continue from the
     checkpoint ``init_from`` (a second phase, e.g. on a passkey-richer corpus); returns (model, stats)."""
+    import numpy as np
+    import torch
+    from tqdm import tqdm
     from transformers import LlamaForCausalLM
 
     cfg.validate()
@@ -157,15 +166,18 @@ def evaluate(model, tokenizer, val_tokens: np.ndarray, cfg: PretrainConfig) -> d
 
 
 def machine() -> dict:
+    import torch
+
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
             "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
             "torch": torch.__version__}
 
 
-def save(model, tokenizer, stats: dict, output: Path, save_dtype: str) -> Path:
+def save(model, tokenizer, stats: dict, output: Path, save_dtype: str, overwrite: bool = False) -> Path:
     """Written to a temporary directory and renamed: an interrupted save leaves the old one."""
-    output = Path(output)
-    with atomic_directory(output) as tmp:
+    from sparse_ft.models import DTYPES, atomic_directory
+
+    with atomic_directory(Path(output), "sparse-ft pretrain", overwrite, "--output") as tmp:
         model.to(DTYPES[save_dtype]).save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         (tmp / "pretrain_stats.json").write_text(json.dumps(stats, indent=1))
@@ -173,19 +185,24 @@ def save(model, tokenizer, stats: dict, output: Path, save_dtype: str) -> Path:
 
 
 def pretrain(cfg: PretrainConfig, corpus: Path = CORPUS_DIR, output: Path = ASSET_DIR, progress: bool = True,
-             init_from: Optional[Path] = None, passkey_fraction: float = PASSKEY_FRACTION, max_blocks: Optional[int] = None) -> dict:
+             init_from: Optional[Path] = None, passkey_fraction: Optional[float] = None, max_blocks: Optional[int] = None,
+             overwrite: bool = False) -> dict:
     """Build the corpus if missing, train, evaluate, save; returns the stats written (with the
-    stats of ``init_from``'s training under ``previous_phase``)."""
-    from sparse_ft.data.corpus import build_corpus, load_blocks
+    stats of ``init_from``'s training under ``previous_phase``). ``output`` is checked first:
+    apart from the inputs, and an earlier output of this command only with ``overwrite``."""
+    from sparse_ft.data.corpus import PASSKEY_FRACTION, build_corpus, load_blocks
     from sparse_ft.evaluation.tokens import load_tokens
+    from sparse_ft.models import check_apart, check_output_dir
     from sparse_ft.tiny import tiny_tokenizer
 
+    corpus, output = Path(corpus), Path(output)
+    check_apart(output, "--output", {"--corpus": corpus, "--init-from": init_from})
+    check_output_dir(output, overwrite)
     tokenizer = tiny_tokenizer()
-    corpus = Path(corpus)
     if not (corpus / "corpus.json").exists():
         print(f"building the corpus in {corpus} (data/build_corpus.py)")
-        build_corpus(corpus, tokenizer, context=cfg.context, seed=cfg.seed, passkey_fraction=passkey_fraction,
-                     max_blocks=max_blocks)
+        build_corpus(corpus, tokenizer, context=cfg.context, seed=cfg.seed, max_blocks=max_blocks,
+                     passkey_fraction=PASSKEY_FRACTION if passkey_fraction is None else passkey_fraction)
     previous = None
     if init_from is not None:
         stats_file = Path(init_from) / "pretrain_stats.json"
@@ -198,29 +215,40 @@ def pretrain(cfg: PretrainConfig, corpus: Path = CORPUS_DIR, output: Path = ASSE
     stats["evaluation"] = evaluate(model, tokenizer, val, cfg)
     stats.update(config=asdict(cfg), corpus=json.loads((corpus / "corpus.json").read_text()), machine=machine(),
                  wall_seconds=time.perf_counter() - began, saved_dtype=cfg.save_dtype)
-    save(model, tokenizer, stats, output, cfg.save_dtype)
+    save(model, tokenizer, stats, output, cfg.save_dtype, overwrite)
     return stats
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser("pretrain", help="pretrain the tiny RoPE base model of the built-in experiment")
+FLAGS = {  # PretrainConfig fields the command line sets, with their help
+    "hidden_size": "model width", "intermediate_size": "MLP width", "num_hidden_layers": "layers",
+    "num_attention_heads": "query heads", "num_key_value_heads": "key/value heads", "context": "training context in tokens",
+    "steps": "optimizer steps", "batch_size": "blocks per step", "warmup_steps": "linear warmup steps",
+    "seed": "seed of the model, data order and passkeys", "passkey_trials": "passkey keys per depth in the final check",
+    "eval_windows": "validation windows of the final PPL", "lr": "peak learning rate",
+}
+
+
+def configure(p: argparse.ArgumentParser) -> None:
     defaults = PretrainConfig()
-    p.add_argument("--corpus", type=Path, default=CORPUS_DIR, help="built here by data/build_corpus.py if missing")
-    p.add_argument("--output", type=Path, default=ASSET_DIR)
-    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                "context", "steps", "batch_size", "warmup_steps", "seed", "passkey_trials", "eval_windows"):
-        p.add_argument("--" + key.replace("_", "-"), type=int, default=getattr(defaults, key))
-    p.add_argument("--lr", type=float, default=defaults.lr)
-    p.add_argument("--save-dtype", default=defaults.save_dtype, choices=list(DTYPES))
-    p.add_argument("--init-from", type=Path, default=None, help="continue from this checkpoint (a second phase)")
-    p.add_argument("--passkey-fraction", type=float, default=PASSKEY_FRACTION, help="when the corpus is built here")
-    p.add_argument("--max-blocks", type=int, default=None, help="when the corpus is built here: stop after N blocks")
+    p.add_argument("--corpus", type=Path, default=CORPUS_DIR, help="token corpus, built here by data/build_corpus.py if missing")
+    p.add_argument("--output", type=Path, default=ASSET_DIR,
+                   help="checkpoint directory; new, empty, or an earlier output with --overwrite")
+    p.add_argument("--overwrite", action="store_true", help="replace --output when it holds an earlier sparse-ft output")
+    for key, text in FLAGS.items():
+        p.add_argument("--" + key.replace("_", "-"), type=type(getattr(defaults, key)), default=getattr(defaults, key), help=text)
+    p.add_argument("--save-dtype", default=defaults.save_dtype, choices=CHOICES["model.dtype"], help="dtype of the saved weights")
+    p.add_argument("--init-from", type=Path, default=None, help="continue from this checkpoint, a second phase (default: a fresh model)")
+    p.add_argument("--passkey-fraction", type=float, default=None,
+                   help="share of passkey documents when the corpus is built here (default: data/build_corpus.py's)")
+    p.add_argument("--max-blocks", type=int, default=None, help="when the corpus is built here: stop after N blocks (default: no limit)")
     p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (1 is much faster when other jobs share the cores)")
+                   help="torch CPU threads (default: torch's; 1 is much faster when other jobs share the cores)")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
+    import torch
+
     if args.threads is not None:
         if args.threads < 1:
             raise ValueError(f"--threads {args.threads} must be >= 1")
@@ -228,7 +256,7 @@ def run(args) -> int:
     keys = PretrainConfig.__dataclass_fields__
     cfg = PretrainConfig(**{k: v for k, v in vars(args).items() if k in keys})
     stats = pretrain(cfg, args.corpus, args.output, init_from=args.init_from, passkey_fraction=args.passkey_fraction,
-                     max_blocks=args.max_blocks)
+                     max_blocks=args.max_blocks, overwrite=args.overwrite)
     ev = stats["evaluation"]
     print(f"{stats['tokens']} tokens, {stats['steps']} steps in {stats['train_seconds']:.0f} s; final loss "
           f"{stats['final_loss']:.3f}; val PPL@{cfg.context} {ev['val_ppl']:.3f}; passkey accuracy "

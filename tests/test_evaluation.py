@@ -238,11 +238,56 @@ def test_bin_token_files_and_bad_input(tmp_path, capsys):
         methods.METHODS.remove("no-ppl")
 
 
-def test_prepare_eval_and_adapter_evaluation(tmp_path, capsys):
+def test_token_files_need_no_tokenizer_and_any_utf8_file_is_text(tmp_path, capsys):
+    from sparse_ft.data.token_files import write_token_file
+
+    bare = tmp_path / "bare"  # weights and config only: no tokenizer files
+    tiny_llama().save_pretrained(bare)
+    tokens = write_token_file(np.arange(3, 303) % 380, tmp_path / "t.bin", 384, "byt5")
+    assert main(["eval", "ppl", "--model", str(bare), "--data", str(tokens), "--lengths", "64", "--stride", "64"]) == 0
+    text = "Call me Ishmael. Some years ago, never mind how long precisely. " * 4
+    for name in ("notes.md", "LICENSE", "book.txt"):
+        (tmp_path / name).write_text(text)
+        assert main(["eval", "ppl", "--model", "tiny", "--data", str(tmp_path / name), "--lengths", "128", "--stride", "64"]) == 0
+    assert "| full | 128 |" in capsys.readouterr().out
+    (tmp_path / "latin1.md").write_bytes("caf\xe9 ".encode("latin-1") * 50)
+    cases = [(["--model", str(bare), "--data", str(tmp_path / "notes.md")], "cannot load a tokenizer from"),
+             (["--model", "tiny", "--data", str(tmp_path / "latin1.md")], "is not UTF-8 text (byte 3)")]
+    for argv, message in cases:
+        assert main(["eval", "ppl", *argv, "--lengths", "64"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, err
+
+
+def test_outputs_are_checked_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    from sparse_ft.evaluation import loading
+
+    def load(*args, **kwargs):
+        raise ValueError("the model loads")
+
+    monkeypatch.setattr(loading, "load", load)
+    (tmp_path / "file").write_text("")
+    data = tmp_path / "d.txt"
+    data.write_text("some text " * 50)
+    cases = [["ppl", "--data", str(data), "--output", str(tmp_path / "file" / "r.json")],
+             ["ppl", "--data", str(data), "--plot", str(tmp_path / "file" / "p.png")],
+             ["ppl", "--data", str(data), "--output", str(tmp_path)],
+             ["passkey", "--heatmap", str(tmp_path / "file" / "h.png")]]
+    for argv in cases:
+        assert main(["eval", argv[0], "--model", "tiny", "--lengths", "64", *argv[1:]]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("sparse-ft eval: error: --") and err.count("\n") == 1 and "model loads" not in err, err
+    assert main(["eval", "ppl", "--model", "tiny", "--data", str(data), "--output", str(tmp_path / "new" / "dir" / "r.json"),
+                 "--lengths", "64"]) == 2
+    assert "the model loads" in capsys.readouterr().err and (tmp_path / "new" / "dir").is_dir()  # made before it
+
+
+def test_prepare_eval_and_adapter_evaluation(tmp_path, capsys, monkeypatch):
     import importlib.util
     from pathlib import Path
 
     from sparse_ft.config import load_recipe
+    from sparse_ft.models import read_meta
     from sparse_ft.train.trainer import train
 
     script = Path(__file__).resolve().parent.parent / "data" / "prepare_eval.py"
@@ -257,9 +302,15 @@ def test_prepare_eval_and_adapter_evaluation(tmp_path, capsys):
     assert prepare_eval.main(["--tokenizer", "tiny", "--source", str(tmp_path / "no.txt"), "--output", str(tmp_path / "x.bin")]) == 2
     assert "no.txt does not exist" in capsys.readouterr().err
     run = tmp_path / "run"
-    train(load_recipe("tiny", [f"train.output_dir={run}", f"data.cache_dir={tmp_path / 'c'}", "deepspeed=null",
+    monkeypatch.chdir(tmp_path)  # a relative output directory: the adapter must record its base absolute
+    train(load_recipe("tiny", ["train.output_dir=run", f"data.cache_dir={tmp_path / 'c'}", "deepspeed=null",
                                "train.max_steps=2", "train.report_to=[none]"]))
     base = str(run / "base-model")
+    meta = read_meta(run / "adapter")
+    assert (meta["base_model"], meta["base_model_given"]) == (base, "tiny")
+    monkeypatch.chdir(tmp_path / "c")  # elsewhere: merge finds the base from the adapter alone
+    assert main(["merge", "--adapter", str(run / "adapter"), "--output", "merged"]) == 0
+    assert (tmp_path / "c" / "merged" / "model.safetensors").is_file()
     assert main(["eval", "ppl", "--model", base, "--adapter", str(run / "adapter"), "--data", str(tmp_path / "book.bin"),
                  "--lengths", "512", "--stride", "256", "--output", str(tmp_path / "a.json")]) == 0
     assert json.loads((tmp_path / "a.json").read_text())["results"][0]["tokens"] > 0

@@ -95,3 +95,30 @@ def test_all_variants_exist():
             assert f"{stage}_{precision}" in DS_CONFIGS
     for pattern in ("scca_flow", "scca_fixed", "longmixed", "s2", "full"):
         assert {f"{pattern}_8k", f"{pattern}_8k_a100", f"{pattern}_16k_a100", f"{pattern}_32k_a100"} <= names
+
+
+def test_paths_resolve_against_the_recipe_not_the_working_directory(tmp_path, monkeypatch):
+    home, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    (home / "corpus").mkdir(parents=True)
+    elsewhere.mkdir()
+    (home / "corpus" / "train.jsonl").write_text('{"text": "x"}\n')
+    (home / "ds.json").write_text((DS_CONFIG_DIR / "zero3_cpu_fp32.json").read_text())
+    (home / "mine.yaml").write_text("inherit: tiny\ndata: {source: corpus/train.jsonl}\ndeepspeed: ds.json\n"
+                                    "train: {output_dir: runs/mine}\n")
+    monkeypatch.chdir(elsewhere)
+    r = load_recipe(str(home / "mine.yaml"))
+    assert r.data.source == str(home / "corpus" / "train.jsonl") and r.deepspeed == str(home / "ds.json")
+    assert r.train.output_dir == "runs/mine" and r.data.cache_dir == ".cache/sparse-ft/data"  # outputs: where it runs
+    # what a command line types is relative to the current directory; names stay names
+    r = load_recipe(str(home / "mine.yaml"), ["data.source=here.jsonl", "deepspeed=zero3_cpu_fp32"])
+    assert r.data.source == str(elsewhere / "here.jsonl") and r.deepspeed == "zero3_cpu_fp32"
+    for source in ("hf://datasets/a/b/*.jsonl", "togethercomputer/RedPajama-Data-1T-Sample"):
+        assert load_recipe("tiny", [f"data.source={source}"]).data.source == source
+    # a shipped recipe's paths are the repository's (an installed package's own copy)
+    tiny = load_recipe("tiny")
+    assert tiny.data.source == str(REPO_ROOT / "data" / "tiny" / "train.jsonl") and tiny.model.name_or_path == "tiny"
+    assert load_recipe("tiny_4x").model.name_or_path == str(REPO_ROOT / "assets" / "tiny-base")
+    # a parent named by path sits beside the child; its paths stay its own
+    (home / "sub").mkdir()
+    (home / "sub" / "child.yaml").write_text("inherit: ../mine.yaml\n")
+    assert load_recipe(str(home / "sub" / "child.yaml")).data.source == str(home / "corpus" / "train.jsonl")

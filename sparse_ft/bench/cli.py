@@ -6,8 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
-import torch
-
+HELP = "benchmarks against the dense baseline"
+DTYPES = ["fp32", "bf16", "fp16"]
 QUICK = dict(lengths="2048,4096", heads="8", head_dims="64", repeats=2)
 
 
@@ -21,34 +21,34 @@ def _ints(text: str) -> list[int]:
     return values
 
 
-def add_parser(sub) -> None:
-    bench = sub.add_parser("bench", help="benchmarks against the dense baseline")
-    which = bench.add_subparsers(dest="bench", required=True)
+def _common(p: argparse.ArgumentParser, lengths: str, patterns: str) -> None:
+    """The flags both benchmarks take."""
+    p.add_argument("--lengths", default=lengths, help="sequence lengths (comma list)")
+    p.add_argument("--patterns", default=patterns, help="patterns to measure beside the dense baseline (comma list)")
+    p.add_argument("--dtype", choices=DTYPES, default=None, help="default: bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--warmup", type=int, default=1, help="unmeasured runs first")
+    p.add_argument("--repeats", type=int, default=3, help="measured runs; the median is reported")
+    p.add_argument("--output", type=Path, default=None, help="write results as JSON (default: the table only)")
+
+
+def configure(bench: argparse.ArgumentParser) -> None:
+    which = bench.add_subparsers(dest="bench", required=True, metavar="KIND")
     p = which.add_parser("attention", help="forward+backward time and peak memory of each pattern vs dense causal SDPA")
-    p.add_argument("--lengths", default="2048,4096,8192,16384", help="sequence lengths (comma list)")
+    _common(p, "2048,4096,8192,16384", "s2,scca_fixed,scca_flow,sda,longmixed")
     p.add_argument("--heads", default="8", help="query heads (comma list)")
     p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default: as many as query heads)")
     p.add_argument("--head-dims", default="64", help="head dimensions (comma list)")
-    p.add_argument("--patterns", default="s2,scca_fixed,scca_flow,sda,longmixed")
-    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None, help="default: bf16 on CUDA, fp32 on CPU")
-    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="N in {2k, 4k}, H=8, D=64, 2 repeats (overrides those flags): a quick CPU check")
-    p.add_argument("--output", type=Path, default=None, help="write results as JSON")
     p.set_defaults(func=main)
     t = which.add_parser("train", help="tokens/s and peak memory of a training step per pattern vs full attention")
-    t.add_argument("--lengths", default="2048,4096,8192")
-    t.add_argument("--patterns", default="s2,scca_fixed,scca_flow,longmixed")
-    t.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None)
-    t.add_argument("--device", default=None)
-    t.add_argument("--warmup", type=int, default=1)
-    t.add_argument("--repeats", type=int, default=3)
-    t.add_argument("--output", type=Path, default=None)
+    _common(t, "2048,4096,8192", "s2,scca_fixed,scca_flow,longmixed")
     t.set_defaults(func=main_train)
 
 
 def main(args: argparse.Namespace) -> int:
+    import torch
+
     from sparse_ft.bench import attention
     from sparse_ft.bench.machine import describe
 
@@ -82,6 +82,8 @@ def main(args: argparse.Namespace) -> int:
 
 
 def main_train(args: argparse.Namespace) -> int:
+    import torch
+
     from sparse_ft import methods
     from sparse_ft.bench import train_step
     from sparse_ft.bench.machine import describe

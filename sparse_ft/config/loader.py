@@ -1,12 +1,20 @@
 """Recipes from YAML: found by name under ``recipes/`` (or given as a path), layered through
 their ``inherit`` chain and the command line's ``dotted.key=value`` overrides, typed against
-the schema and validated; and written back, resolved, beside a run's outputs."""
+the schema and validated; and written back, resolved, beside a run's outputs.
+
+Paths a recipe reads (``PATH_KEYS``) mean the same from any working directory: a relative one
+in a recipe file resolves against that file's directory (a shipped recipe's against
+``REPO_ROOT``, so ``data/tiny/train.jsonl`` is the repository's or the package's), one typed
+on the command line against the current directory. The loaded recipe holds them absolute, so
+its saved copy reruns from anywhere. What a run writes (``train.output_dir``,
+``data.cache_dir``) stays relative to the current directory."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
 import difflib
+import glob
 import os
 import typing
 from pathlib import Path
@@ -15,8 +23,16 @@ from typing import Any
 import yaml
 
 from sparse_ft.config.keyvalue import parse_assignments
-from sparse_ft.config.paths import RECIPE_DIRS
+from sparse_ft.config.paths import RECIPE_DIRS, REPO_ROOT
 from sparse_ft.config.schema import Recipe, fail, validate
+
+# keys that may name a local path, with the suffixes that make a value a file even before it exists
+PATH_KEYS = {
+    ("model", "name_or_path"): (),
+    ("data", "source"): (".jsonl", ".json", ".parquet", ".txt"),  # what sparse_ft.data.sources reads
+    ("deepspeed",): (".json",),
+}
+BUILT_IN = "tiny"  # model.name_or_path's built-in model: a name, never a path
 
 
 def find_recipe(name_or_path: str) -> Path:
@@ -61,6 +77,42 @@ def _layer(base: dict, over: dict) -> dict:
     return _merge(base, over)
 
 
+def _anchor(value: Any, base: Path, suffixes: tuple[str, ...]) -> Any:
+    """``value`` made absolute against ``base`` when it names a local path: ``~``, ``./`` or
+    ``../``, a file name ending in one of ``suffixes``, or something that exists there.
+    Anything else (an HF id, ``hf://`` files, a DeepSpeed config's name, ``tiny``) is a name
+    and stays as it is."""
+    if not isinstance(value, str) or not value or value == BUILT_IN or "://" in value:
+        return value
+    path = Path(value).expanduser()
+    if path.is_absolute():
+        return str(path)
+    if (value.startswith(("./", "../")) or path.suffix in suffixes or (base / path).exists()
+            or glob.glob(str(base / path))):
+        return os.path.normpath(base / path)
+    return value
+
+
+def _anchor_paths(data: dict, base: Path) -> dict:
+    """``data`` (one recipe layer) with the local paths of ``PATH_KEYS`` resolved against
+    ``base``."""
+    out = copy.deepcopy(data)
+    for (*sections, key), suffixes in PATH_KEYS.items():
+        node = out
+        for section in sections:
+            node = node.get(section) if isinstance(node, dict) else None
+        if isinstance(node, dict) and key in node:
+            node[key] = _anchor(node[key], base, suffixes)
+    return out
+
+
+def _base_dir(path: Path) -> Path:
+    """What a recipe file's relative paths mean: its own directory, or for a shipped recipe the
+    root that holds ``recipes/``, ``data/`` and ``assets/``."""
+    path = path.resolve()
+    return REPO_ROOT if any(d.resolve() in path.parents for d in RECIPE_DIRS) else path.parent
+
+
 def _read(path: Path, seen: tuple = ()) -> dict:
     if path.resolve() in seen:
         raise ValueError(f"recipe inherit cycle: {' -> '.join(map(str, seen + (path.resolve(),)))}")
@@ -71,7 +123,10 @@ def _read(path: Path, seen: tuple = ()) -> dict:
     if not isinstance(data, dict):
         raise ValueError(f"recipe {path} must be a YAML mapping of sections (model, attention, lora, data, train, deepspeed)")
     parent = data.pop("inherit", None)
+    data = _anchor_paths(data, _base_dir(path))
     if parent:
+        if Path(parent).suffix in (".yaml", ".yml"):  # a path, beside this recipe; else a name
+            parent = str(path.resolve().parent / Path(parent).expanduser())
         data = _layer(_read(find_recipe(parent), seen + (path.resolve(),)), data)
     return data
 
@@ -145,9 +200,10 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
 
 def load_recipe(name_or_path: str, overrides: list[str] = ()) -> Recipe:
     """The recipe ``name_or_path`` (name under recipes/ or a YAML path) with its ``inherit``
-    chain and ``dotted.key=value`` overrides applied, typed and validated."""
+    chain and ``dotted.key=value`` overrides applied, typed and validated; local paths
+    absolute (the overrides' against the current directory)."""
     path = find_recipe(name_or_path)
-    data = _layer(_read(path), parse_overrides(list(overrides)))
+    data = _layer(_read(path), _anchor_paths(parse_overrides(list(overrides)), Path.cwd()))
     recipe = _build(Recipe, data, "")
     recipe.name = recipe.name or path.stem
     validate(recipe)

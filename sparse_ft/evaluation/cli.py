@@ -1,4 +1,8 @@
-"""``sparse-ft eval ppl | passkey | plot``."""
+"""``sparse-ft eval ppl | passkey | plot``.
+
+Everything that can be checked without the model is checked first (flags, method, data file,
+that every output path can be written), so a mistake costs seconds, not a whole evaluation.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,10 @@ import platform
 from pathlib import Path
 
 from sparse_ft.config.keyvalue import parse_assignments
+from sparse_ft.config.schema import CHOICES
+
+HELP = "perplexity and passkey retrieval of a model, an adapter or a training-free method"
+DTYPES = CHOICES["model.dtype"]  # the dtypes a model loads in, named as recipes name them
 
 
 def _ints(text: str, flag: str) -> list[int]:
@@ -25,49 +33,53 @@ def _method_args(items: list[str]) -> dict:
 
 def _model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="HF id, local directory, or 'tiny' (built-in test model)")
-    p.add_argument("--adapter", default=None, help="adapter directory written by train.py")
+    p.add_argument("--adapter", default=None, help="adapter directory written by sparse-ft train (default: none)")
     p.add_argument("--method", default="full", help="full, an attention pattern, pi, ntk, yarn, or a registered method")
-    p.add_argument("--method-arg", action="append", default=[], metavar="KEY=VALUE", help="method parameter (repeatable)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--method-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="method parameter, repeatable; values are YAML scalars (default: the method's defaults)")
+    p.add_argument("--dtype", default="float32", choices=DTYPES, help="weights dtype")
     p.add_argument("--load-in-4bit", action="store_true", help="bitsandbytes NF4 with double quantisation")
-    p.add_argument("--load-in-8bit", action="store_true")
-    p.add_argument("--bnb-compute-dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    p.add_argument("--device", default=None, help="e.g. cuda:0 or cpu (default: cuda when available)")
-    p.add_argument("--trust-remote-code", action="store_true")
-    p.add_argument("--output", type=Path, default=None, help="results JSON")
+    p.add_argument("--load-in-8bit", action="store_true", help="bitsandbytes LLM.int8")
+    p.add_argument("--bnb-compute-dtype", default="float32", choices=DTYPES, help="dtype the 4-bit matmuls run in")
+    p.add_argument("--device", default=None, help="e.g. cuda:0 or cpu (default: cuda when available, else cpu)")
+    p.add_argument("--trust-remote-code", action="store_true", help="run code from the model repository")
+    p.add_argument("--output", type=Path, default=None, help="results JSON (default: none, the table only)")
+    p.add_argument("--label", default=None, help="name of this run in tables and plots (default: the method)")
 
 
-def add_parser(sub) -> None:
-    ev = sub.add_parser("eval", help="perplexity and passkey retrieval")
-    which = ev.add_subparsers(dest="eval", required=True)
-    p = which.add_parser("ppl", help="sliding-window perplexity at several lengths")
+def configure(ev: argparse.ArgumentParser) -> None:
+    which = ev.add_subparsers(dest="eval", required=True, metavar="KIND")
+    p = which.add_parser("ppl", help="sliding-window perplexity at several lengths", description="sliding-window "
+                         "perplexity at several lengths (docs/evaluation.md says exactly which tokens are scored)")
     _model_flags(p)
-    p.add_argument("--data", required=True, help=".bin token file, text/jsonl file, or HF dataset id")
+    p.add_argument("--data", required=True, help=".bin token file (with its .json sidecar), a text/jsonl/json/parquet "
+                   "file or directory (any other file is read as UTF-8 text), or an HF dataset id")
     p.add_argument("--data-dtype", default=None, choices=["uint16", "uint32"],
                    help=".bin token width (default: from the file's JSON sidecar, else uint16)")
-    p.add_argument("--split", default="validation")
-    p.add_argument("--text-column", default="text")
-    p.add_argument("--lengths", default="1024,2048,4096,8192")
-    p.add_argument("--stride", type=int, default=256)
-    p.add_argument("--scoring", default="standard", choices=["standard", "longlora"])
-    p.add_argument("--max-tokens", type=int, default=None, help="use only the first N tokens of --data")
-    p.add_argument("--num-windows", type=int, default=None, help="at most N windows per length")
-    p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--plot", type=Path, default=None, help="PPL-vs-length PNG")
-    p.add_argument("--label", default=None, help="name of this run in tables and plots (default: the method)")
+    p.add_argument("--split", default="validation", help="split of an HF dataset id")
+    p.add_argument("--text-column", default="text", help="column holding the text (jsonl/json/parquet, HF datasets)")
+    p.add_argument("--lengths", default="1024,2048,4096,8192", help="window lengths (comma list)")
+    p.add_argument("--stride", type=int, default=256, help="window step")
+    p.add_argument("--scoring", default="standard", choices=["standard", "longlora"],
+                   help="standard: every token once; longlora: LongLoRA eval.py's numbers")
+    p.add_argument("--max-tokens", type=int, default=None, help="use only the first N tokens of --data (default: all)")
+    p.add_argument("--num-windows", type=int, default=None, help="at most N windows per length (default: all)")
+    p.add_argument("--batch-size", type=int, default=1, help="windows per forward")
+    p.add_argument("--plot", type=Path, default=None, help="PPL-vs-length PNG (default: none)")
     p.set_defaults(func=run_ppl)
-    k = which.add_parser("passkey", help="passkey retrieval over lengths x needle depths")
+    k = which.add_parser("passkey", help="passkey retrieval over lengths x needle depths",
+                         description="passkey retrieval over lengths x needle depths (landmark attention's prompt)")
     _model_flags(k)
-    k.add_argument("--lengths", default="1024,2048,4096,8192")
-    k.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="needle depths in [0, 1]")
-    k.add_argument("--trials", type=int, default=5)
-    k.add_argument("--seed", type=int, default=0)
-    k.add_argument("--heatmap", type=Path, default=None, help="accuracy heatmap PNG")
-    k.add_argument("--label", default=None, help="name of this run in tables and plots (default: the method)")
+    k.add_argument("--lengths", default="1024,2048,4096,8192", help="prompt lengths in the model's tokens (comma list)")
+    k.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="needle depths in [0, 1] (comma list)")
+    k.add_argument("--trials", type=int, default=5, help="random keys per cell, the same keys in every cell")
+    k.add_argument("--seed", type=int, default=0, help="seed of the keys")
+    k.add_argument("--heatmap", type=Path, default=None, help="accuracy heatmap PNG (default: none)")
     k.set_defaults(func=run_passkey)
-    g = which.add_parser("plot", help="PPL vs length, one line per results file")
-    g.add_argument("results", nargs="+", type=Path)
-    g.add_argument("--output", type=Path, required=True)
+    g = which.add_parser("plot", help="PPL vs length, one line per results file",
+                         description="PPL vs length, one line per results file of eval ppl --output")
+    g.add_argument("results", nargs="+", type=Path, help="results JSON files of eval ppl --output")
+    g.add_argument("--output", type=Path, required=True, help="the PNG to write")
     g.set_defaults(func=run_plot)
 
 
@@ -77,11 +89,24 @@ def _method(args):
     return methods.get(args.method, **_method_args(args.method_arg))
 
 
-def _load(args):
+def _check_outputs(args, *flags: str) -> None:
+    """Every output file can be written (its folder is made), before the model loads."""
+    from sparse_ft.models import check_parent_writable
+
+    for flag in flags:
+        path = getattr(args, flag)
+        if path is None:
+            continue
+        if path.is_dir():
+            raise ValueError(f"--{flag} {path} is a directory; name a file")
+        check_parent_writable(path, f"--{flag}")
+
+
+def _load(args, tokenizer: bool = True):
     from sparse_ft.evaluation import loading
 
     return loading.load(args.model, args.adapter, args.dtype, args.load_in_4bit, args.load_in_8bit,
-                        args.bnb_compute_dtype, args.trust_remote_code, args.device)
+                        args.bnb_compute_dtype, args.trust_remote_code, args.device, tokenizer)
 
 
 def _label(args) -> str:
@@ -92,7 +117,7 @@ def _config(args, model) -> dict:
     import torch
     import transformers
 
-    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}
+    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("func", "prog")}
     return config | {"device": str(next(model.parameters()).device), "python": platform.python_version(),
                      "torch": torch.__version__, "transformers": transformers.__version__}
 
@@ -110,7 +135,9 @@ def run_ppl(args) -> int:
     method = _method(args)
     if not method.supports.ppl:
         raise ValueError(f"--method {args.method} cannot report perplexity: {method.supports.no_ppl_reason}")
-    model, tokenizer = _load(args)
+    _check_outputs(args, "output", "plot")
+    is_token_file = tokens.check_data(args.data)
+    model, tokenizer = _load(args, tokenizer=not is_token_file)
     vocab = model.get_output_embeddings().weight.shape[0]
     stream = tokens.load_tokens(args.data, tokenizer, vocab, args.data_dtype, args.split, args.text_column, args.max_tokens)
     too_long = [n for n in lengths if n > len(stream)]
@@ -148,6 +175,7 @@ def run_passkey(args) -> int:
     if args.trials < 1:
         raise ValueError(f"--trials {args.trials} must be >= 1")
     method = _method(args)
+    _check_outputs(args, "output", "heatmap")
     model, tokenizer = _load(args)
     cells = passkey.evaluate(model, tokenizer, lengths, depths, args.trials, method, args.seed)
     label = _label(args)
@@ -160,5 +188,7 @@ def run_passkey(args) -> int:
 def run_plot(args) -> int:
     from sparse_ft.evaluation import plots, report
 
-    print(f"wrote {plots.plot_ppl([report.read_ppl(path) for path in args.results], args.output)}")
+    series = [report.read_ppl(path) for path in args.results]
+    _check_outputs(args, "output")
+    print(f"wrote {plots.plot_ppl(series, args.output)}")
     return 0

@@ -38,9 +38,11 @@ def default_device() -> str:
 
 def load(model: str, adapter: Optional[str] = None, dtype: str = "float32", load_in_4bit: bool = False,
          load_in_8bit: bool = False, compute_dtype: str = "float32", trust_remote_code: bool = False,
-         device: Optional[str] = None):
-    """Returns ``(model, tokenizer)`` in eval mode; every failure a one-line ValueError or
-    FileNotFoundError naming the flag."""
+         device: Optional[str] = None, tokenizer: bool = True):
+    """Returns ``(model, tokenizer)`` in eval mode; with ``tokenizer=False`` the tokenizer is
+    None (token files need none, and a model directory may hold none). The tokenizer loads
+    first: a missing one fails in a second, not after the weights. Every failure is a one-line
+    ValueError or FileNotFoundError naming the flag."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if dtype not in DTYPES:
@@ -50,6 +52,7 @@ def load(model: str, adapter: Optional[str] = None, dtype: str = "float32", load
         raise FileNotFoundError(f"--model {model}: no such directory")
     if adapter is not None and not Path(adapter).is_dir():
         raise FileNotFoundError(f"--adapter {adapter}: no such directory")
+    tok = _tokenizer(model, adapter, path, trust_remote_code) if tokenizer else None
     kwargs: dict[str, Any] = {"dtype": DTYPES[dtype], "trust_remote_code": trust_remote_code,
                               "device_map": device or default_device()}
     quant = quantization(load_in_4bit, load_in_8bit, compute_dtype)
@@ -62,8 +65,6 @@ def load(model: str, adapter: Optional[str] = None, dtype: str = "float32", load
         else:
             config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
             loaded = AutoModelForCausalLM.from_pretrained(path, config=config, **kwargs)
-        tokenizer_dir = adapter if adapter and (Path(adapter) / "tokenizer_config.json").exists() else path
-        tokenizer = load_tokenizer(tokenizer_dir, trust_remote_code)
     except OSError as err:  # hub / missing-file errors from transformers and peft
         raise ValueError(f"cannot load --model {model}{f' --adapter {adapter}' if adapter else ''}: {_first_line(err)}") from None
     except RuntimeError as err:
@@ -71,7 +72,17 @@ def load(model: str, adapter: Optional[str] = None, dtype: str = "float32", load
             raise
         detail = next(line.strip() for line in str(err).splitlines() if "size mismatch" in line)
         raise ValueError(f"--adapter {adapter} does not fit --model {model} (trained on another base?): {detail}") from None
-    return loaded.eval(), tokenizer
+    return loaded.eval(), tok
+
+
+def _tokenizer(model: str, adapter: Optional[str], path: str, trust_remote_code: bool):
+    """The adapter's tokenizer where it saved one, else the model's."""
+    where = adapter if adapter and (Path(adapter) / "tokenizer_config.json").exists() else path
+    try:
+        return load_tokenizer(where, trust_remote_code)
+    except (OSError, ValueError) as err:  # no tokenizer files: transformers says so at length
+        raise ValueError(f"cannot load a tokenizer from {where} (--model {model}): {_first_line(err)}; "
+                         "passkey and text --data need one, a .bin token file does not") from None
 
 
 def _first_line(err: BaseException) -> str:

@@ -1,6 +1,7 @@
 """Evaluation token streams: a flat numpy token file (``.bin``, memory-mapped, as LongLoRA's
-eval data; its format is ``sparse_ft.data.token_files``), or text tokenised with the model's
-tokenizer (documents joined by EOS)."""
+eval data; its format is ``sparse_ft.data.token_files``), which needs no tokenizer, or text
+tokenised with the model's tokenizer (documents joined by EOS): jsonl/json/parquet rows, an HF
+dataset, or any other file as one document of UTF-8 text (``.txt``, ``.md``, no suffix)."""
 
 from __future__ import annotations
 
@@ -10,16 +11,37 @@ from typing import Optional
 import numpy as np
 from tqdm import tqdm
 
+from sparse_ft.data.sources import iter_texts, local_files
 from sparse_ft.data.token_files import DTYPES, sidecar
+
+TOKEN_FILE = ".bin"
+ROWS = (".jsonl", ".json", ".parquet")  # one document per row
+
+
+def _text_file(path: Path) -> bool:
+    return path.is_file() and path.suffix not in (TOKEN_FILE, *ROWS)
+
+
+def check_data(data: str) -> bool:
+    """Whether ``data`` is a token file (then no tokenizer is needed). A local file that is
+    missing, not UTF-8 text or of a kind no reader takes fails here, before any model loads."""
+    path = Path(data).expanduser()
+    if path.suffix == TOKEN_FILE:
+        if not path.is_file():
+            raise FileNotFoundError(f"--data {data} does not exist")
+        return True
+    if _text_file(path):
+        _utf8(path, data)
+    else:
+        local_files(data)
+    return False
 
 
 def load_tokens(data: str, tokenizer, vocab_size: int, data_dtype: Optional[str] = None, split: str = "validation",
                 text_column: str = "text", max_tokens: Optional[int] = None) -> np.ndarray:
     """The evaluation tokens, checked against the model's vocabulary."""
-    path = Path(data)
-    if path.suffix == ".bin":
-        if not path.is_file():
-            raise FileNotFoundError(f"--data {data} does not exist")
+    path = Path(data).expanduser()
+    if check_data(data):
         dtype = data_dtype or sidecar(path).get("dtype", "uint16")
         if dtype not in DTYPES:
             raise ValueError(f"--data-dtype {dtype!r} is unknown; allowed: {', '.join(DTYPES)}")
@@ -43,14 +65,19 @@ def load_tokens(data: str, tokenizer, vocab_size: int, data_dtype: Optional[str]
 
 def text_tokens(source: str, tokenizer, split: str = "validation", text_column: str = "text",
                 max_tokens: Optional[int] = None) -> np.ndarray:
-    """Tokenise ``source`` (text/jsonl/parquet file or directory, or an HF dataset id, streamed
-    when only ``max_tokens`` are wanted) document by document, EOS between documents."""
-    from sparse_ft.data.sources import iter_texts, local_files
-
-    streaming = max_tokens is not None and local_files(source) is None
+    """Tokenise ``source`` (a text file, jsonl/json/parquet file or directory, or an HF dataset
+    id, streamed when only ``max_tokens`` are wanted) document by document, EOS between
+    documents."""
+    if tokenizer is None:
+        raise ValueError(f"--data {source} is text: tokenising it needs the model's tokenizer")
+    path = Path(source).expanduser()
+    if _text_file(path):
+        documents = [_utf8(path, source)]
+    else:
+        documents = iter_texts(source, split, text_column, streaming=max_tokens is not None and local_files(source) is None)
     out: list[int] = []
     bar = tqdm(desc=f"tokenising {source}", unit="tok", unit_scale=True, total=max_tokens, leave=False)
-    for text in iter_texts(source, split, text_column, streaming=streaming):
+    for text in documents:
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if tokenizer.eos_token_id is not None:
             ids.append(tokenizer.eos_token_id)
@@ -60,3 +87,10 @@ def text_tokens(source: str, tokenizer, split: str = "validation", text_column: 
             break
     bar.close()
     return np.asarray(out[:max_tokens] if max_tokens else out, dtype=np.int64)
+
+
+def _utf8(path: Path, source: str) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"--data {source} is not UTF-8 text (byte {err.start}) nor a {TOKEN_FILE}/{'/'.join(ROWS)} file") from None

@@ -31,7 +31,8 @@ def save_adapter(engine, directory: Path, recipe, base_path: str, tokenizer=None
         raise RuntimeError(f"refusing to save an adapter with empty tensors: {empty[:3]}")
     config = model.get_base_model().config
     meta = {
-        "base_model": base_path,
+        "base_model": str(Path(base_path).resolve()) if Path(base_path).exists() else base_path,  # found from anywhere
+        "base_model_given": recipe.model.name_or_path,
         "rope_parameters": rope.rope_parameters(config),
         "max_position_embeddings": config.max_position_embeddings,
         "original_context": rope.original_context(config),

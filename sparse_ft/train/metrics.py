@@ -1,4 +1,7 @@
-"""Per-step metrics to a JSONL file (always), TensorBoard and W&B (when asked and installed)."""
+"""Per-step metrics to a JSONL file (always), TensorBoard and W&B (when asked and installed).
+
+A resumed run continues its W&B run: the run id is kept in the output directory
+(``WANDB_ID_FILE``) and handed back to ``wandb.init`` with ``resume="allow"``."""
 
 from __future__ import annotations
 
@@ -6,6 +9,8 @@ import json
 from pathlib import Path
 
 import torch
+
+WANDB_ID_FILE = "wandb_run_id"
 
 
 def peak_memory_mib(device: torch.device) -> float:
@@ -19,6 +24,17 @@ def peak_memory_mib(device: torch.device) -> float:
     except OSError:
         pass
     return float("nan")
+
+
+def _wandb_run(wandb, output_dir: Path, resumed: bool):
+    """The W&B run: a resumed training run continues the one it started, a fresh one starts
+    its own and records its id."""
+    id_file = output_dir / WANDB_ID_FILE
+    if resumed and id_file.is_file():
+        return wandb.init(project="sparse-ft", dir=str(output_dir), id=id_file.read_text().strip(), resume="allow")
+    run = wandb.init(project="sparse-ft", dir=str(output_dir))
+    id_file.write_text(run.id + "\n")
+    return run
 
 
 class MetricLog:
@@ -39,7 +55,7 @@ class MetricLog:
             except ImportError:
                 print("report_to lists wandb but it is not installed: skipping W&B", flush=True)
             else:
-                self.wandb = wandb.init(project="sparse-ft", dir=str(output_dir), resume="allow")
+                self.wandb = _wandb_run(wandb, output_dir, resumed=bool(history))
 
     def write(self, record: dict, report: bool = True) -> None:
         """Every step goes to the JSONL file (the full loss curve); ``report`` also sends it to
