@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 from safetensors.torch import load_file, save
 
+from sparse_ft.data.token_files import sha256_file
 from sparse_ft.train.engine import Engine
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
@@ -64,14 +65,6 @@ def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
     _write_bytes(path, save({k: v.contiguous() for k, v in tensors.items()}))
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _json_sha256(record: dict) -> str:
     return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
 
@@ -83,7 +76,7 @@ def rng_file(rank: int) -> str:
 def seal(directory: Path, meta: dict, files: list[str]) -> None:
     """Write ``meta.json`` last, with the size and sha256 of ``files`` (named, not listed: a
     shared filesystem may list another node's file late) and a checksum of itself."""
-    record = {**meta, "files": {name: {"bytes": (directory / name).stat().st_size, "sha256": _sha256(directory / name)}
+    record = {**meta, "files": {name: {"bytes": (directory / name).stat().st_size, "sha256": sha256_file(directory / name)}
                                 for name in files}}
     record["sha256"] = _json_sha256(record)
     _write_bytes(directory / META, json.dumps(record, indent=1).encode())
@@ -105,7 +98,7 @@ def verify(path: Path) -> dict:
         size = file.stat().st_size
         if size != expected["bytes"]:
             raise CorruptCheckpoint(f"{file}: {size} bytes, meta.json recorded {expected['bytes']} (truncated or overwritten)")
-        if _sha256(file) != expected["sha256"]:
+        if sha256_file(file) != expected["sha256"]:
             raise CorruptCheckpoint(f"{file}: its sha256 differs from the one meta.json recorded (corrupt)")
     return record
 
