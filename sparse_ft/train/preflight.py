@@ -21,14 +21,16 @@ from sparse_ft.tiny import tiny_llama_config, tiny_tokenizer
 
 def preflight(recipe: Recipe) -> None:
     """Raise :class:`BadInput` for the first input this run cannot train with. Loads no weights
-    and writes nothing, so every rank runs it before the trainer starts."""
+    and writes nothing, so every rank runs it before the trainer starts; the data is read by the
+    first rank only (a launcher stops the others when one fails)."""
     if recipe.attention.backend == "flash" and not kernels.flash_available():
         fail("attention.backend", "flash", "flash-attn cannot run here (it needs the flash-attn package and a CUDA device); "
              "use sdpa, or auto (flash where it can run)")
     config = _model_config(recipe)
     _check_heads(recipe, config)
     _check_lora(recipe, _skeleton(recipe, config))
-    _check_data(recipe)
+    if int(os.environ.get("RANK", "0")) == 0:  # one read of the data per run, not one per rank
+        _check_data(recipe)
 
 
 def _model_key(recipe: Recipe) -> tuple[str, Any]:
