@@ -20,8 +20,10 @@ m = p // l):
   (R = number of earlier slots), in fp32 with the model's ``inv_freq``.
 
 Within ``k·l`` tokens every earlier chunk is selected and every shift is 0: LongHeads is
-then exactly causal attention. Memory is O(N·k·l) per head, processed in query blocks;
-nothing is N×N.
+then exactly causal attention. The work is tensor ops over query blocks (one block = the rows
+of one chunk): each block attends once to the union of the chunks its rows chose and each
+row keeps its own choice (see :func:`_step`); a step of blocks holds at most
+``_BLOCK_ELEMENTS`` elements, so memory does not grow with N and nothing is N×N.
 
 Decoding with a KV cache needs the queries of the chunk being filled (the cache keeps
 only keys/values), so each attention layer keeps a small state: the representations of
@@ -283,6 +285,6 @@ def _step(q, q_raw, reps, gather, groups, blocks, n, start, l, k_chunks, inv_fre
     lse = lse[:, 0].masked_fill_(~chosen, float("-inf"))  # a row keeps only the chunks it chose
     top_lse = torch.maximum(torch.segment_reduce(lse, "max", lengths=lengths), own_lse)
     w, w_own = (lse - top_lse.repeat_interleave(lengths, dim=0)).exp_(), (own_lse - top_lse).exp_()
-    total = torch.segment_reduce(w, "sum", lengths=lengths).add_(w_own)
-    mixed = torch.segment_reduce(out[:, 0].mul_(w[..., None]), "sum", lengths=lengths).add_(own_out * w_own[..., None])
+    total = torch.segment_reduce(w, "sum", lengths=lengths) + w_own
+    mixed = torch.segment_reduce(out[:, 0].mul_(w[..., None]), "sum", lengths=lengths) + own_out * w_own[..., None]
     return (mixed / total[..., None]).view(b, h, len(blocks), n, d)[:, :, real]
