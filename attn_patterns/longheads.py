@@ -55,13 +55,14 @@ def chunk_representations(
     m, l = n // chunk_size, chunk_size
     starts = (torch.arange(m, device=q.device) + first_chunk) * l
     local = -starts.repeat_interleave(l)  # chunk-local RoPE: positions 0..l-1
-    ql = rerotate(q.float(), local, inv_freq).view(b, h, m, l, d)
+    # chunks folded into the head dimension: 4-D input keeps SDPA's fused kernel
+    ql = rerotate(q.float(), local, inv_freq).reshape(b, h * m, l, d)
     kl = rerotate(k.float(), local, inv_freq)
     groups = h // k.shape[1]
-    kl = kl.repeat_interleave(groups, dim=1).view(b, h, m, l, d)
-    vl = v.float().repeat_interleave(groups, dim=1).view(b, h, m, l, d)
+    kl = kl.repeat_interleave(groups, dim=1).view(b, h * m, l, d)
+    vl = v.float().repeat_interleave(groups, dim=1).view(b, h * m, l, d)
     pooled = F.scaled_dot_product_attention(ql, kl, vl).mean(dim=-2, keepdim=True)  # q_i^c
-    return F.scaled_dot_product_attention(pooled, kl, kl).squeeze(-2)
+    return F.scaled_dot_product_attention(pooled, kl, kl).view(b, h, m, d)
 
 
 @register
