@@ -165,12 +165,12 @@ def test_torch_flash_op_convention(cuda_stand_ins):
         torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
 
 
-def dca_cases(backend):
+def dca_cases(backend, dtype=FP32, device="cpu", d=16):
     """DCA's prefill, chunked prefill and decoding rows with ``backend`` and with math."""
     s, w, c, n = 6, 3, 10, 29
-    q, k, v = qkv(n, n)
-    inv = default_inv_freq(16)
-    pos = torch.arange(n)
+    q, k, v = (x.to(device) for x in qkv(n, n, dtype=dtype, d=d))
+    inv = default_inv_freq(d).to(device)
+    pos = torch.arange(n, device=device)
     q, k = rotate(q, pos, inv), rotate(k, pos, inv)
     for tail in (n, 13, 1):
         got = dca_attention(q[:, :, -tail:], k, v, inv, s, w, c, backend=backend)
