@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any, Callable
 
 import torch
 
@@ -14,7 +15,7 @@ _MAX_MASKS = 8  # per pattern: (N, H, device) combinations kept
 
 
 @functools.cache
-def compiled_flex():
+def compiled_flex() -> Callable[..., Any]:
     """One compiled flex_attention per process (compiling is what makes it a fused kernel)."""
     from torch.nn.attention.flex_attention import flex_attention
 
