@@ -372,7 +372,7 @@ def test_cached_decoding_equals_reprefill(variant):
     ids = torch.randint(3, 300, (1, n), generator=torch.Generator().manual_seed(3))
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        for lo, hi in [(0, 40), (40, 47), (47, 48)] + [(t, t + 1) for t in range(n - 12, n)]:
+        for lo, hi in [(0, 40), (40, 47), (47, 48), (48, 49)] + [(t, t + 1) for t in range(n - 3, n)]:
             if lo > cache.get_seq_length():  # the tokens in between, as one more chunk
                 model(input_ids=ids[:, cache.get_seq_length() : lo], past_key_values=cache, use_cache=True)
             step = model(input_ids=ids[:, lo:hi], past_key_values=cache, use_cache=True).logits.double()
