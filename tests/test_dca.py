@@ -344,18 +344,3 @@ def test_packed_positions_are_refused():
     packed = torch.cat((torch.arange(10), torch.arange(10)))[None]
     with pytest.raises(ValueError, match="position_ids"):
         _logits(model, torch.randint(3, 300, (1, 20)), position_ids=packed)
-
-
-def test_benchmark_script_runs(tmp_path, capsys):
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "bench" / "dca_prefill.py"
-    spec = importlib.util.spec_from_file_location("dca_prefill", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    out = tmp_path / "dca.json"
-    args = ["--lengths", "300", "--pretraining-length", "128", "--heads", "2", "--kv-heads", "1", "--head-dim", "16",
-            "--warmup", "0", "--repeats", "1", "--output", str(out)]
-    assert bench.main(args) == 0
-    assert "| 300 |" in capsys.readouterr().out and out.with_suffix(".md").exists()
