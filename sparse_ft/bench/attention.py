@@ -109,8 +109,8 @@ def markdown(rows: list[Row]) -> str:
     for r in rows:
         lines.append(
             f"| {r.pattern} | {r.backend} | {r.seq_len} | {r.heads} | {r.kv_heads} | {r.head_dim} | {cell(r.ms, '.1f')} | "
-            f"{cell(r.dense_ms, '.1f')} | {cell(r.speedup, '.2f', '–', '×')} | {r.ideal:.2f}× | {cell(r.fraction_of_ideal, '.2f', '–')} | {cell(r.peak_mib, '.0f')} | "
-            f"{cell(r.dense_peak_mib, '.0f')} |"
+            f"{cell(r.dense_ms, '.1f')} | {cell(r.speedup, '.2f', '–', '×')} | {r.ideal:.2f}× | "
+            f"{cell(r.fraction_of_ideal, '.2f', '–')} | {cell(r.peak_mib, '.0f')} | {cell(r.dense_peak_mib, '.0f')} |"
         )
     return "\n".join(lines)
 
