@@ -157,3 +157,9 @@ def test_bench_eval_nf4_against_unquantised(tmp_path):
     assert abs(row["nf4_ratio"] - row["nf4_tokens_per_s"] / row["unquantised_tokens_per_s"]) < 1e-9
     assert row["nf4_weights_mib"] < row["unquantised_weights_mib"] / 2  # the linear layers are 4-bit
     assert abs(row["nf4_ppl"] / row["unquantised_ppl"] - 1) < 0.05  # the same model, quantised
+
+
+def test_train_baseline_is_the_models_own_attention_on_any_backend():
+    chosen = train_step.trained_methods(["s2", "full"], "flex", "bf16")
+    assert list(chosen) == ["full", "s2"] and not chosen["full"].replaces_attention
+    assert chosen["s2"].pattern.backend == "flex"

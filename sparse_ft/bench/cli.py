@@ -150,7 +150,8 @@ def main_train(args: argparse.Namespace) -> int:
     checkpointing = args.model == "1b" if args.gradient_checkpointing is None else args.gradient_checkpointing
     machine = describe(device)
     title = (f"training step (forward+backward, LoRA+ as the recipes train, gradient checkpointing "
-             f"{'on' if checkpointing else 'off'}, batch 1, {dtype}, backend {args.backend or 'sdpa'}; "
+             f"{'on' if checkpointing else 'off'}, batch 1, {dtype}, patterns on {args.backend or 'sdpa'}, full attention "
+             f"the model's own; "
              f"{models.describe(args.model)}), median of {args.repeats} after {args.warmup} warm-up, on {machine}")
     rows = train_step.run(lengths, patterns, str(device), dtype, args.warmup, args.repeats, args.model, checkpointing,
                           args.backend)

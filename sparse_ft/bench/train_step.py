@@ -36,11 +36,15 @@ class StepRow:
 
 
 def trained_methods(patterns: Iterable[str], backend: Optional[str], dtype: str) -> dict[str, methods.Method]:
-    """``full`` first, then each pattern, built as a recipe builds them (bad names, and a
-    backend a pattern cannot run, fail here, before any model is built)."""
-    names = ["full", *[p for p in patterns if p != "full"]]
-    return {name: methods.for_training(name, {}, backend, DTYPE_NAMES[dtype])[0] for name in names}
-
+    """``full`` first, then each pattern on ``backend``, built as a recipe builds them (bad
+    names, and a backend a pattern cannot run, fail here, before any model is built). ``full``
+    stays the model's own attention whatever the backend: given one, it would become the full
+    pattern on the toolkit's kernels, not the baseline a user would train with."""
+    chosen = {"full": methods.for_training("full", {}, None, DTYPE_NAMES[dtype])[0]}
+    for name in patterns:
+        if name != "full":
+            chosen[name] = methods.for_training(name, {}, backend, DTYPE_NAMES[dtype])[0]
+    return chosen
 
 def run(lengths: Iterable[int], patterns: Iterable[str], device: str = "cpu", dtype: str = "fp32",
         warmup: int = 1, repeats: int = 3, model: str = "tiny", gradient_checkpointing: bool = False,
