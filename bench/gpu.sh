@@ -76,7 +76,7 @@ EOF
     fi
     local backends=sdpa
     imports flash_attn && backends=sdpa,flash
-    bench 120 "attention-h32-d128-$backends" attention --dtype bf16 --lengths 4096,8192,16384,32768 --heads 32 \
+    bench 120 "attention-h32-d128-${backends//,/-}" attention --dtype bf16 --lengths 4096,8192,16384,32768 --heads 32 \
         --kv-heads 8 --head-dims 128 --backends "$backends" --warmup 2 --repeats 5
     # FlexAttention compiles a kernel per pattern and length: the target lengths only.
     bench 240 attention-h32-d128-flex attention --dtype bf16 --lengths 16384,32768 --heads 32 --kv-heads 8 \
