@@ -6,7 +6,7 @@
 #   bench/gpu.sh part2   # training step of the 1B Llama at 8k, 16k, 32k (sdpa, then flex)
 #   bench/gpu.sh part3   # DCA prefill 8k-64k vs SDPA's flash kernel; eval NF4 vs bf16 at 8k
 #
-# Every step has its own time cap; a capped step keeps the rows it measured (the JSON says
+# Every step has its own time cap (each part under 8.5 minutes in all); a capped step keeps the rows it measured (the JSON says
 # "complete": false). Results: bench/results/<name>-<gpu>.{json,md}, the machine in
 # bench/results/machine-<gpu>.txt; with $OUT set (the device tool) they and the part's log are
 # copied there too, to be committed from this side with the command above.
@@ -70,7 +70,7 @@ EOF
     } | tee "$RES/machine-$GPU.txt"
     if [ -f tests/test_gpu.py ]; then
         WROTE+=("$RES/gpu-tests-$GPU.txt")
-        step 150 "gpu tests" "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py 2>&1 | tee "$RES/gpu-tests-$GPU.txt"
+        step 140 "gpu tests" "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py 2>&1 | tee "$RES/gpu-tests-$GPU.txt"
     else
         echo "== gpu tests: tests/test_gpu.py does not exist yet"
     fi
@@ -79,22 +79,22 @@ EOF
     bench 120 "attention-h32-d128-${backends//,/-}" attention --dtype bf16 --lengths 4096,8192,16384,32768 --heads 32 \
         --kv-heads 8 --head-dims 128 --backends "$backends" --warmup 2 --repeats 5
     # FlexAttention compiles a kernel per pattern and length: the target lengths only.
-    bench 240 attention-h32-d128-flex attention --dtype bf16 --lengths 16384,32768 --heads 32 --kv-heads 8 \
+    bench 220 attention-h32-d128-flex attention --dtype bf16 --lengths 16384,32768 --heads 32 --kv-heads 8 \
         --head-dims 128 --backends flex --warmup 2 --repeats 5
 }
 
 part2() {
-    bench 330 train-1b train --model 1b --dtype bf16 --lengths 8192,16384,32768 \
+    bench 300 train-1b train --model 1b --dtype bf16 --lengths 8192,16384,32768 \
         --patterns s2,scca_fixed,scca_flow,longmixed --warmup 1 --repeats 3
-    bench 210 train-1b-flex train --model 1b --dtype bf16 --lengths 16384,32768 --backend flex \
+    bench 180 train-1b-flex train --model 1b --dtype bf16 --lengths 16384,32768 --backend flex \
         --patterns s2,scca_fixed,longmixed --warmup 1 --repeats 2
 }
 
 part3() {
-    bench 270 dca-prefill dca --dtype bf16 --lengths 8192,16384,32768,65536 --heads 32 --kv-heads 8 --head-dim 128 \
+    bench 250 dca-prefill dca --dtype bf16 --lengths 8192,16384,32768,65536 --heads 32 --kv-heads 8 --head-dim 128 \
         --pretraining-length 4096 --warmup 1 --repeats 3
     if imports bitsandbytes; then
-        bench 240 eval-nf4 eval --model 1b --dtype bf16 --lengths 8192 --warmup 1 --repeats 3
+        bench 220 eval-nf4 eval --model 1b --dtype bf16 --lengths 8192 --warmup 1 --repeats 3
     else
         echo "== eval-nf4: not run, bitsandbytes does not import (carry its wheel in .whl/, see the top of this file)"
     fi
