@@ -429,14 +429,6 @@ def test_packed_positions_are_refused():
         _logits(model, torch.randint(3, 300, (1, 20)), position_ids=packed)
 
 
-def test_benchmark_script_runs(tmp_path, capsys):
-    bench = _load_bench("dca_prefill")
-    out = tmp_path / "dca.json"
-    args = ["--lengths", "300", "--pretraining-length", "128", "--heads", "2", "--kv-heads", "1", "--head-dim", "16",
-            "--warmup", "0", "--repeats", "1", "--output", str(out)]
-    assert bench.main(args) == 0
-    assert "| 300 |" in capsys.readouterr().out and out.with_suffix(".md").exists()
-
 
 # --- a model that ships DCA: Qwen's dual_chunk_attention_config -------------------------------
 
