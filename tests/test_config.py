@@ -161,3 +161,23 @@ def test_deepspeed_config_never_silently_overrides_the_recipe(tmp_path, change, 
     ok = json.loads((cfg.DS_CONFIG_DIR / "zero3_cpu_fp32.json").read_text()) | {"gradient_accumulation_steps": 2, "train_batch_size": 4}
     path.write_text(json.dumps(ok))  # values equal to the recipe's are fine
     assert resolve_deepspeed_config(load_recipe("tiny", [f"deepspeed={path}"]), 2, on_cuda=False)["train_batch_size"] == 4
+
+
+@pytest.mark.parametrize(
+    "sp,world,heads,kv_heads,message",
+    [
+        (4, 8, 32, 8, None),  # KV heads split among the ranks
+        (8, 8, 32, 4, None),  # more ranks than KV heads: each KV head replicated
+        (3, 6, 32, 32, r"must divide the model's num_attention_heads=32"),
+        (4, 8, 12, 6, r"must divide the model's num_key_value_heads=6 or be a multiple of it"),
+        (4, 6, 32, 8, r"must divide the number of processes, 6"),
+    ],
+)
+def test_sequence_parallel_follows_deepspeeds_rules(sp, world, heads, kv_heads, message):
+    from sparse_ft.config.schema import check_sequence_parallel
+
+    if message is None:
+        check_sequence_parallel(sp, world, heads, kv_heads)
+    else:
+        with pytest.raises(ValueError, match=rf"recipe key train.sequence_parallel_size={sp} is invalid: {message}"):
+            check_sequence_parallel(sp, world, heads, kv_heads)

@@ -254,13 +254,13 @@ def check_sequence_parallel(sp: int, world_size: int, heads: int, kv_heads: int)
     replicated."""
     if sp == 1:
         return
-    if world_size % sp:
-        fail("train.sequence_parallel_size", sp, f"must divide the number of processes, {world_size} (data parallelism runs across world / sp groups)")
     if heads % sp:
         fail("train.sequence_parallel_size", sp, f"must divide the model's num_attention_heads={heads} (each rank attends with heads / sp)")
     if kv_heads % sp and sp % kv_heads:
         fail("train.sequence_parallel_size", sp,
              f"must divide the model's num_key_value_heads={kv_heads} or be a multiple of it (then K/V heads are replicated)")
+    if world_size % sp:
+        fail("train.sequence_parallel_size", sp, f"must divide the number of processes, {world_size} (data parallelism runs across world / sp groups)")
 
 
 def check_deepspeed(recipe: Recipe, config: dict) -> None:
