@@ -80,8 +80,8 @@ class Pattern:
             return self.forward(q, k, v, backend)
         raise ValueError(
             f"{self.name}: its rule reads the head index and it defines no forward_heads, so it cannot compute "
-            f"heads [{offset}, {offset + q.shape[1]}) of {total} alone (sequence parallelism); set "
-            "train.sequence_parallel_size=1, or give the pattern forward_heads (or head_invariant = True)"
+            f"heads [{offset}, {offset + q.shape[1]}) of {total} alone (as a sequence-parallel rank does); "
+            "define forward_heads, or set head_invariant = True if the rule ignores the head index"
         )
 
     def heads(self, offset: int, total: int) -> "Pattern":
@@ -174,7 +174,7 @@ class HeadSlice(Pattern):
         pattern.check_heads(total)
         if not isinstance(offset, int) or isinstance(offset, bool) or not 0 <= offset < total:
             raise ValueError(f"{pattern.name}: head offset={offset!r} must be an integer in [0, total={total})")
-        super().__init__(pattern.backend, heads=f"[{offset}:] of {total}")
+        super().__init__(pattern.backend)
         self.pattern, self.offset, self.total = pattern, offset, total
         self.name, self.native_gqa, self.static = pattern.name, pattern.native_gqa, pattern.static
 

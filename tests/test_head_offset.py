@@ -101,5 +101,5 @@ def test_a_pattern_reading_the_head_index_without_forward_heads_is_refused():
             raise AssertionError("never reached")
 
     q = torch.zeros(1, 2, 4, 2)
-    with pytest.raises(ValueError, match=r"per_head: its rule reads the head index .* heads \[2, 4\) of 4"):
+    with pytest.raises(ValueError, match=r"per_head: its rule reads the head index .* heads \[2, 4\) of 4 alone"):
         PerHead().heads(2, 4)(q, q, q)

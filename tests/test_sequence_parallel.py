@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers_train import ROOT, losses, one_thread, overrides  # noqa: F401
+from helpers_train import ROOT, assert_adapter_reproduces_probe, one_thread, overrides  # noqa: F401
 from test_train_deepspeed import free_port
 
 PATTERNS = ("s2", "scca_flow", "longmixed")
@@ -64,6 +64,8 @@ def test_ulysses_two_ranks_train_exactly_like_one_process_and_resume(tmp_path):
         expected = adapter(single)
         for name, tensor in adapter(sp).items():
             torch.testing.assert_close(tensor, expected[name], atol=1e-6, rtol=1e-5)
+    # the probe written under SP (evaluation runs whole sequences per rank) is the saved adapter's
+    assert_adapter_reproduces_probe(tmp_path / "sp" / RESUMED)
 
 
 def _ranks_main(root: Path, cache: Path) -> None:

@@ -63,8 +63,8 @@ def shard_batches(rows: Callable[[int], dict], first_micro: int, device: torch.d
     sp = mpu.get_sequence_parallel_world_size()
 
     def with_positions(batch: dict) -> dict:  # the adapter needs global positions to shard
-        n = batch["input_ids"].shape[1]
-        return {**batch, "position_ids": torch.arange(n).expand_as(batch["input_ids"])}
+        rows, n = batch["input_ids"].shape
+        return {**batch, "position_ids": torch.arange(n).repeat(rows, 1)}
 
     source = (with_positions(rows(m)) for m in itertools.count(first_micro // sp))
     adapter = UlyssesSPDataLoaderAdapter(source, mpu.get_sequence_parallel_rank(), mpu.get_sequence_parallel_group(), sp, device)

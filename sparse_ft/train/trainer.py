@@ -70,10 +70,16 @@ def write_probe(engine: Engine, input_ids: torch.Tensor, device: torch.device, p
         save_file({"input_ids": input_ids[None].contiguous(), "logits": logits.contiguous()}, str(path))
 
 
+def micro_per_epoch(recipe: Recipe, order: DataOrder) -> int:
+    """Micro-steps in an epoch: each rank's batches, or under sequence parallelism its SP
+    group's, which take their ranks' batches in turn."""
+    return order.per_epoch * recipe.train.sequence_parallel_size
+
+
 def total_steps(recipe: Recipe, order: DataOrder) -> int:
     if recipe.train.max_steps > 0:
         return recipe.train.max_steps
-    per_epoch = order.per_epoch * recipe.train.sequence_parallel_size  # an SP group takes its ranks' batches in turn
+    per_epoch = micro_per_epoch(recipe, order)
     steps = recipe.train.num_epochs * per_epoch // recipe.train.gradient_accumulation_steps
     if steps == 0:
         raise ValueError(
@@ -256,7 +262,7 @@ class Trainer:
 
     def _checkpoint(self, step: int) -> None:
         micro = step * self.recipe.train.gradient_accumulation_steps
-        position = {"samples": len(self.dataset), "micro_batches": micro, "epoch": micro // self.order.per_epoch}
+        position = {"samples": len(self.dataset), "micro_batches": micro, "epoch": micro // micro_per_epoch(self.recipe, self.order)}
         meta = {"history": self.history, "recipe": self.recipe.name, "data": position, "fingerprint": self.fingerprint}
         checkpoint.save_checkpoint(self.engine, self.out, step, meta, self.recipe.train.save_total_limit)
 
