@@ -42,7 +42,7 @@ def test_every_registered_static_pattern_is_covered():
 def test_rank_heads_equal_the_whole_call(name, params, kv_heads, sps):
     """Multi-head, GQA with KV heads split among ranks, and ranks outnumbering KV heads."""
     pattern = attn_patterns.get(name, **params)
-    n = 22  # not a multiple of any chunk count or dilation here
+    n = 22  # partial last chunks (w = 6 or 8) and a partial last dilation row for θ = 3, 4
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(1, H, n, 8, generator=gen, dtype=torch.float64, requires_grad=True)
     k, v = (torch.randn(1, kv_heads, n, 8, generator=gen, dtype=torch.float64, requires_grad=True) for _ in "kv")
