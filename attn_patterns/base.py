@@ -51,6 +51,7 @@ class Pattern:
     head_rule: str = "the pattern splits heads into groups"
     native_gqa: bool = False
     static: bool = True
+    head_invariant: bool = False  # the rule ignores the head index, so any slice of heads runs ``forward`` as is
 
     def __init__(self, backend: Optional[str] = None, **params: Any) -> None:
         self.backend = backend
@@ -69,6 +70,29 @@ class Pattern:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str) -> torch.Tensor:
         """Fast path. k/v have as many heads as q unless ``native_gqa`` (then ``H % Hkv == 0``)."""
         raise NotImplementedError
+
+    def forward_heads(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str, offset: int, total: int
+    ) -> torch.Tensor:
+        """``forward`` for q's heads as heads ``[offset, offset + H)`` of ``total``. Patterns whose
+        rule reads the head index (head groups, dilation offsets) override it."""
+        if self.head_invariant or (offset == 0 and q.shape[1] == total):
+            return self.forward(q, k, v, backend)
+        raise ValueError(
+            f"{self.name}: its rule reads the head index and it defines no forward_heads, so it cannot compute "
+            f"heads [{offset}, {offset + q.shape[1]}) of {total} alone (as a sequence-parallel rank does); "
+            "define forward_heads, or set head_invariant = True if the rule ignores the head index"
+        )
+
+    def heads(self, offset: int, total: int) -> "Pattern":
+        """This pattern computing heads ``[offset, offset + H)`` of ``total`` from q/k/v that hold
+        only those heads (and their K/V heads): what one rank runs under DeepSpeed Ulysses, which
+        hands each rank the whole sequence for a slice of the heads. Equal to those heads of
+        the whole-head call. Views are kept, so a flex block mask built for one is reused."""
+        views = self.__dict__.setdefault("_head_views", {})
+        if (offset, total) not in views:
+            views[(offset, total)] = HeadSlice(self, offset, total)
+        return views[(offset, total)]
 
     # --- derived from the rule ------------------------------------------------------------
     def check_heads(self, num_heads: int) -> None:
@@ -139,6 +163,39 @@ class Pattern:
             k = k.repeat_interleave(groups, dim=1)
             v = v.repeat_interleave(groups, dim=1)
         return self.forward(q, k, v, chosen)
+
+
+class HeadSlice(Pattern):
+    """``pattern.heads(offset, total)``: local head h is the pattern's head ``offset + h`` of
+    ``total``, in the rule (mask, pair counts, flex) and in the fast path."""
+
+    def __init__(self, pattern: Pattern, offset: int, total: int) -> None:
+        check_int("total", total, pattern.name)
+        pattern.check_heads(total)
+        if not isinstance(offset, int) or isinstance(offset, bool) or not 0 <= offset < total:
+            raise ValueError(f"{pattern.name}: head offset={offset!r} must be an integer in [0, total={total})")
+        super().__init__(pattern.backend)
+        self.pattern, self.offset, self.total = pattern, offset, total
+        self.name, self.native_gqa, self.static = pattern.name, pattern.native_gqa, pattern.static
+
+    def __repr__(self) -> str:
+        return f"{self.pattern!r}.heads({self.offset}, {self.total})"
+
+    def check_heads(self, num_heads: int) -> None:
+        if self.offset + num_heads > self.total:
+            raise ValueError(
+                f"{self.name}: heads [{self.offset}, {self.offset + num_heads}) reach past the pattern's "
+                f"total={self.total} heads"
+            )
+
+    def keys(self, h, i, n, num_heads) -> Keys:
+        return self.pattern.keys(h + self.offset, i, n, self.total)
+
+    def rule(self, h, i, j, n, num_heads):
+        return self.pattern.rule(h + self.offset, i, j, n, self.total)
+
+    def forward(self, q, k, v, backend):
+        return self.pattern.forward_heads(q, k, v, backend, self.offset, self.total)
 
 
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -11,7 +11,13 @@ of s tokens (``j mod s``) and gives the query three positions, one per kind of k
   keep their true distance, the rest are pushed to at most c - 1
 * inter-chunk (d > 1): query at ``c - 1``         -> distance ``c - 1 - b`` (>= c - s)
 
-so no distance reaches c. Every causal key stays visible: DCA changes positions, not the
+so no distance reaches c. Two other variants follow published code instead of the equations
+(``VARIANTS``; docs/dca.md has the table and sources): ``chunkllama`` (the authors'
+``chunkllama_attn_replace.py``) and ``qwen`` (the serving engines' DCA for Qwen's
+``dual_chunk_attention_config``). Both put keys at ``j mod L`` with ``L = s - w``, successive
+queries at ``min(a + L, s)`` and inter-chunk queries at ``min(2L - 1, s)``; they differ in
+defaults and in the length-dependent factor on the attention logits (``LOGIT_SCALES``).
+Every causal key stays visible: DCA changes positions, not the
 set of keys (``mask`` is plain causal attention), except in the paper's ablation with the
 intra-chunk piece alone (``pieces="intra"``), where a query sees its own chunk only.
 
@@ -38,7 +44,13 @@ from attn_patterns.base import Keys, Pattern, _check_qkv, check_int, register
 from attn_patterns.kernels import LSE_BACKENDS, attend_lse, lse_backend, merge_lse
 from attn_patterns.rotary import default_inv_freq, rotate
 
-VARIANTS = ("paper", "chunkllama")
+VARIANTS = ("paper", "chunkllama", "qwen")
+# A factor on the attention logits that grows with the sequence length L beyond c, per call
+# (the sources compute it from the whole length, never per query): ChunkLlama multiplies its
+# cos/sin tables, so q and k, by 1 + 0.05 ln(L/c); the engines multiply cached keys and the
+# softmax scale by max(1, 1 + 0.1 ln(L/c)). Either way the logits carry the factor squared.
+LOGIT_SCALES = {"none": 0.0, "chunkllama": 0.05, "qwen": 0.1}
+DEFAULT_LOGIT_SCALE = {"paper": "none", "chunkllama": "chunkllama", "qwen": "qwen"}
 # the paper's ablation (its Figure 4): intra-chunk alone is chunked local attention (low PPL,
 # no retrieval across chunks); adding inter-chunk sees every key but from c - 1 only (retrieval
 # back, locality lost); successive-chunk restores the true distance of the w nearest keys.
@@ -49,20 +61,23 @@ PIECES = ("intra", "intra+inter", "intra+inter+successive")
 def resolve(
     pretraining_length: int, chunk_size: Optional[int] = None, local_window: Optional[int] = None, variant: str = "paper"
 ) -> tuple[int, int, int]:
-    """``(s, w, c)`` with the defaults s = 3c/4 and w = c - s (paper; ChunkLlama's code: w =
-    c/16), checked so that every relative position stays below c."""
+    """``(s, w, c)`` with the defaults s = 3c/4 and w = c - s (paper) or w = c/8 (ChunkLlama's
+    ``replace_with_chunkllama``, which the ``qwen`` variant shares when no model config gives
+    them), checked so that every relative position stays below c. ``qwen`` skips that check:
+    Qwen's configs set chunk_size = original_max_position_embeddings, and c only sets the
+    length the logit scale counts from."""
     c = check_int("pretraining_length", pretraining_length, "dca", 2)
     s = (3 * c) // 4 if chunk_size is None else check_int("chunk_size", chunk_size, "dca", 1)
-    if s >= c:
+    if s >= c and variant != "qwen":
         raise ValueError(
-            f"dca: chunk_size={s} must be < pretraining_length={c} (inter-chunk queries sit at "
-            f"c - 1 = {c - 1}, after every key position 0..chunk_size-1); the paper uses 3c/4 = {(3 * c) // 4}"
+            f"dca: chunk_size={s} must be < pretraining_length={c} (the largest relative position is c - 1 in the "
+            f"paper, chunk_size in ChunkLlama's code); the paper uses 3c/4 = {(3 * c) // 4}"
         )
-    if variant == "chunkllama":
-        w = c // 16 if local_window is None else check_int("local_window", local_window, "dca", 0)
+    if variant != "paper":
+        w = c // 8 if local_window is None else check_int("local_window", local_window, "dca", 0)
         if w >= s:
             raise ValueError(
-                f"dca: local_window={w} must be < chunk_size={s} for variant='chunkllama' "
+                f"dca: local_window={w} must be < chunk_size={s} for variant={variant!r} "
                 "(its chunks hold chunk_size - local_window tokens)"
             )
         return s, w, c
@@ -75,14 +90,27 @@ def resolve(
     return s, w, c
 
 
+def chunk_length(s: int, w: int, variant: str) -> int:
+    """The period of the key positions: s in the paper, s - w in the published code."""
+    return s if variant == "paper" else s - w
+
+
+def logit_factor(kind: str, length: int, c: int) -> float:
+    """What ``kind`` (``LOGIT_SCALES``) multiplies the attention logits by for a call over
+    ``length`` keys: ``(1 + slope·ln(length/c))²``, 1 up to c."""
+    if length <= c:
+        return 1.0
+    return (1.0 + LOGIT_SCALES[kind] * math.log(length / c)) ** 2
+
+
 def query_positions(
     i: torch.Tensor, s: int, w: int, c: int, variant: str = "paper", pieces: str = PIECES[-1]
 ) -> tuple[torch.Tensor, ...]:
     """Target positions ``(intra, successive, inter)`` of queries at true positions ``i``;
     without the successive piece the previous chunk is seen like any other (inter-chunk)."""
     a = i % s
-    if variant == "chunkllama":
-        # the authors' code: chunks of L = s - w tokens, successive queries at min(a + L, s),
+    if variant != "paper":
+        # the published code: chunks of L = s - w tokens, successive queries at min(a + L, s),
         # inter-chunk queries where the last row's successive query sits, min(2L - 1, s).
         step = s - w
         a = i % step
@@ -98,7 +126,7 @@ def relative_positions(n: int, s: int, w: int, c: int, variant: str = "paper", p
     """The ``(n, n)`` int64 matrix M of eqs. 2–8; -1 where the key is not seen (above the
     diagonal; other chunks with ``pieces='intra'``). Tests and pictures only (it is N×N)."""
     i = torch.arange(n)
-    step = s - w if variant == "chunkllama" else s
+    step = chunk_length(s, w, variant)
     intra, succ, inter = (p[:, None] for p in query_positions(i, s, w, c, variant, pieces))
     d = i[:, None] // step - i[None, :] // step
     target = torch.where(d == 0, intra, torch.where(d == 1, succ, inter))
@@ -140,10 +168,11 @@ def dca_attention(
     start = nk - nq
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     backend = lse_backend(backend, q, k, v, "dca")
-    step = s - w if variant == "chunkllama" else s  # the length keys repeat their positions with
-    near = min(step, w + 1 if variant == "chunkllama" else w)  # rows whose successive distance is true
-    inter_at = min(2 * step - 1, s) if variant == "chunkllama" else c - 1
-    succ_at = s if variant == "chunkllama" else c - 1  # the far rows' successive query position
+    step = chunk_length(s, w, variant)  # the length keys repeat their positions with
+    paper = variant == "paper"
+    near = min(step, w if paper else w + 1)  # rows whose successive distance is true
+    inter_at = c - 1 if paper else min(2 * step - 1, s)
+    succ_at = c - 1 if paper else s  # the far rows' successive query position
     if "successive" not in pieces:  # the previous chunk is one more inter-chunk chunk
         near, succ_at = 0, inter_at
     dev = q.device
@@ -188,9 +217,10 @@ def dca_attention(
 class DualChunkAttention(Pattern):
     """DCA with chunk size s, local window w and pretraining length c; any left as None is
     taken from the model (c = ``config.max_position_embeddings``, the context the model
-    handles with its current RoPE) and the paper's defaults (s = 3c/4, w = c - s).
-    ``variant='chunkllama'`` reproduces the authors' public code instead of the paper's
-    equations; ``pieces`` is the paper's ablation (``PIECES``)."""
+    handles with its current RoPE) and the variant's defaults (paper: s = 3c/4, w = c - s).
+    ``variant`` picks the paper's equations or a published code's (``VARIANTS``);
+    ``logit_scale`` the length-dependent logit factor (``LOGIT_SCALES``; None: the variant's
+    own, ``DEFAULT_LOGIT_SCALE``); ``pieces`` is the paper's ablation (``PIECES``)."""
 
     name = "dca"
     static = False
@@ -203,9 +233,13 @@ class DualChunkAttention(Pattern):
         variant: str = "paper",
         backend: Optional[str] = None,
         pieces: str = PIECES[-1],
+        logit_scale: Optional[str] = None,
     ) -> None:
         if variant not in VARIANTS:
             raise ValueError(f"dca: variant={variant!r} is unknown; allowed: {', '.join(VARIANTS)}")
+        if logit_scale is not None and logit_scale not in LOGIT_SCALES:
+            raise ValueError(f"dca: logit_scale={logit_scale!r} is unknown; allowed: {', '.join(LOGIT_SCALES)} "
+                             "or None (the variant's own)")
         if pieces not in PIECES:
             raise ValueError(f"dca: pieces={pieces!r} is unknown; allowed: {', '.join(PIECES)}")
         if backend is not None and backend not in LSE_BACKENDS:
@@ -217,9 +251,11 @@ class DualChunkAttention(Pattern):
         if pretraining_length is not None:
             resolve(pretraining_length, chunk_size, local_window, variant)
         super().__init__(backend=backend, chunk_size=chunk_size, local_window=local_window,
-                         pretraining_length=pretraining_length, variant=variant, pieces=pieces)
+                         pretraining_length=pretraining_length, variant=variant, pieces=pieces,
+                         logit_scale=logit_scale)
         self.chunk_size, self.local_window, self.pretraining_length = chunk_size, local_window, pretraining_length
         self.variant, self.pieces = variant, pieces
+        self.logit_scale = DEFAULT_LOGIT_SCALE[variant] if logit_scale is None else logit_scale
 
     def sizes(self, pretraining_length: Optional[int] = None) -> tuple[int, int, int]:
         """``(s, w, c)``; ``pretraining_length`` is the model's, used when none was given."""
@@ -227,6 +263,13 @@ class DualChunkAttention(Pattern):
         if c is None:
             raise ValueError("dca: pretraining_length is unknown; pass pretraining_length=<the model's context>")
         return resolve(c, self.chunk_size, self.local_window, self.variant)
+
+    def scale(self, length: int, head_dim: int, pretraining_length: Optional[int] = None,
+              base: Optional[float] = None) -> float:
+        """The softmax scale of a call over ``length`` keys: the model's (``base``, default
+        1/sqrt(head_dim)) times the logit factor, one number per call as in the sources."""
+        base = 1.0 / math.sqrt(head_dim) if base is None else base
+        return base * logit_factor(self.logit_scale, length, self.sizes(pretraining_length)[2])
 
     def relative_positions(self, n: int, pretraining_length: Optional[int] = None) -> torch.Tensor:
         return relative_positions(n, *self.sizes(pretraining_length), variant=self.variant, pieces=self.pieces)
@@ -237,8 +280,7 @@ class DualChunkAttention(Pattern):
         zero = torch.zeros_like(i + h)
         if self.pieces != "intra":
             return zero, zero + n - 1, zero + 1
-        s, w, _ = self.sizes()
-        step = s - w if self.variant == "chunkllama" else s
+        step = chunk_length(*self.sizes()[:2], self.variant)
         return (i // step) * step + zero, i + zero, zero + 1
 
     def __call__(
@@ -253,5 +295,5 @@ class DualChunkAttention(Pattern):
         inv_freq = default_inv_freq(q.shape[-1]) if inv_freq is None else inv_freq.to(q.device)
         pos = torch.arange(q.shape[2], device=q.device)
         q, k = rotate(q, pos, inv_freq), rotate(k, pos, inv_freq)
-        return dca_attention(q, k, v, inv_freq, s, w, c, backend=backend or self.backend, variant=self.variant,
-                             pieces=self.pieces)
+        return dca_attention(q, k, v, inv_freq, s, w, c, self.scale(q.shape[2], q.shape[-1]),
+                             backend=backend or self.backend, variant=self.variant, pieces=self.pieces)

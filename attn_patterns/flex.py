@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any, Callable
 
 import torch
 
@@ -14,7 +15,8 @@ _MAX_MASKS = 8  # per pattern: (N, H, device) combinations kept
 
 
 @functools.cache
-def _compiled():
+def compiled_flex() -> Callable[..., Any]:
+    """One compiled flex_attention per process (compiling is what makes it a fused kernel)."""
     from torch.nn.attention.flex_attention import flex_attention
 
     return torch.compile(flex_attention, dynamic=False)
@@ -50,5 +52,5 @@ def flex_forward(pattern, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> 
         )
     b, h, n, d = q.shape
     mask = block_mask(pattern, n, h, q.device)
-    kernel = _compiled() if q.is_cuda else flex_attention
+    kernel = compiled_flex() if q.is_cuda else flex_attention
     return kernel(q, k, v, block_mask=mask, scale=1.0 / math.sqrt(d), enable_gqa=k.shape[1] != h)

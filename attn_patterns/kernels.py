@@ -141,23 +141,73 @@ def unchunk(x: torch.Tensor, n: int) -> torch.Tensor:
 # LongHeads' re-positioned chunks) compute each set's attention apart and merge them exactly:
 # softmax over a union of key sets is a log-sum-exp-weighted mix of the per-set softmaxes.
 
-LSE_BACKENDS = ("sdpa", "math")
+# "sdpa": torch's fused flash op (its CPU kernel on CPU, FlashAttention-2 on sm80+ GPUs);
+# "efficient": torch's memory-efficient op (CUDA, V100 and fp32 too); "flash": the flash-attn
+# package; "flex": FlexAttention; "math": the matmul reference every other one is tested on.
+LSE_BACKENDS = ("sdpa", "efficient", "flash", "flex", "math")
+# Automatic order, fastest first. flex only when named: compiled per piece shape on CUDA and
+# unfused (scores materialised) on CPU, it is the cross-check, not the fast path.
+_AUTO_LSE = ("flash", "sdpa", "efficient", "math")
+_HALF = (torch.float16, torch.bfloat16)
 
 
-def _fused_lse_available(q: torch.Tensor) -> bool:
-    return q.device.type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+def lse_unsupported(
+    backend: str, device: str, dtype: torch.dtype, needs_grad: bool,
+    capability: Optional[tuple[int, int]], flash_attn: bool, head_dim: int,
+) -> Optional[str]:
+    """Why ``backend`` cannot return attention with its LSE for such a call, None if it can.
+    A pure function of the machine and the call, so the whole table is tested without CUDA."""
+    sm = capability or (0, 0)
+    if backend == "math":
+        return None
+    if backend == "flex":
+        return "FlexAttention has no backward on CPU" if needs_grad and device != "cuda" else None
+    if needs_grad:  # torch's derivatives.yaml and flash-attn's autograd both drop the LSE's gradient
+        return "the fused kernels return the LSE without a gradient, and the merge differentiates it"
+    if backend == "sdpa" and device == "cpu":
+        return None
+    if device != "cuda":
+        return f"it needs CUDA tensors, got {device}"
+    if backend == "efficient":
+        if dtype not in (torch.float32, *_HALF) or (dtype == torch.bfloat16 and sm < (8, 0)):
+            return f"it takes fp32, fp16 and (sm80+) bf16, got {dtype} on sm{sm[0]}{sm[1]}"
+        align = 8 if dtype in _HALF else 4  # 16-byte rows for its GEMMs
+        return f"it needs a head dim divisible by {align}, got {head_dim}" if head_dim % align else None
+    if backend == "flash" and not flash_attn:
+        return "the flash-attn package is not installed"
+    if dtype not in _HALF:
+        return f"FlashAttention takes fp16 or bf16, got {dtype}"
+    if sm < (8, 0):
+        return f"FlashAttention-2 needs sm80+ (A100, H100), this GPU is sm{sm[0]}{sm[1]}"
+    if head_dim % 8 or head_dim > 256:
+        return f"FlashAttention takes head dims divisible by 8 up to 256, got {head_dim}"
+    return None
+
+
+def choose_lse_backend(
+    device: str, dtype: torch.dtype, needs_grad: bool,
+    capability: Optional[tuple[int, int]], flash_attn: bool, head_dim: int,
+) -> str:
+    """The automatic choice: flash-attn, else torch's flash op, else its memory-efficient op,
+    whichever runs first; math when none does (gradients, other devices)."""
+    case = (device, dtype, needs_grad, capability, flash_attn, head_dim)
+    return next(b for b in _AUTO_LSE if lse_unsupported(b, *case) is None)
 
 
 def lse_backend(backend: Optional[str], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, owner: str) -> str:
-    """Auto: torch's fused CPU kernel (it returns the LSE) for inference; the matmul path
-    when gradients are needed (the LSE merge must be differentiated) or off CPU."""
-    if backend is None:
-        grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
-        return "sdpa" if _fused_lse_available(q) and not grad else "math"
-    if backend not in LSE_BACKENDS:
+    """``None``: :func:`choose_lse_backend` for this call. A named backend is checked against
+    the same table and refused with the reason and what does run here."""
+    if backend is not None and backend not in LSE_BACKENDS:
         raise ValueError(f"{owner}: backend={backend!r} is unknown; allowed: {', '.join(LSE_BACKENDS)} or None (automatic)")
-    if backend == "sdpa" and not _fused_lse_available(q):
-        raise ValueError(f"{owner}: backend='sdpa' needs CPU tensors (torch's fused CPU kernel returns the LSE); use backend='math'")
+    grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+    sm = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
+    case = (q.device.type, q.dtype, grad, sm, q.is_cuda and flash_available(), q.shape[-1])
+    if backend is None:
+        return choose_lse_backend(*case)
+    why = lse_unsupported(backend, *case)
+    if why is not None:
+        here = [b for b in LSE_BACKENDS if lse_unsupported(b, *case) is None]
+        raise ValueError(f"{owner}: backend={backend!r} cannot run here: {why}; allowed here: {', '.join(here)} or None (automatic)")
     return backend
 
 
@@ -176,24 +226,104 @@ def _unfold(x: torch.Tensor, heads: int) -> torch.Tensor:
 def attend_lse(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, offset: Optional[int], backend: str, block: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q (B,H,L,D) vs k/v (B,Hkv,Lk,D) -> output (B,H,L,D) and LSE (B,H,L) fp32. Query row u
-    sees key row t when ``t <= u + offset`` (None: every key). ``backend`` from
-    :func:`lse_backend`; ``block`` bounds the math path's memory to O(L·block)."""
+    """q (B,H,L,D) vs k/v (B,Hkv,Lk,D) -> output (B,H,L,D) in q's dtype and LSE (B,H,L) in
+    fp32 (fp64 for fp64 input). Query row u sees key row t when ``t <= u + offset`` (None:
+    every key). ``backend`` from :func:`lse_backend`; ``block`` bounds the math path's memory
+    to O(L·block)."""
+    if backend == "sdpa" and not q.is_cuda:
+        return _cpu_lse(q, k, v, scale, offset)
+    if backend == "flex":
+        return _flex_lse(q, k, v, scale, offset)
+    shape = _bottom_right(offset, q.shape[2], k.shape[2])
+    if backend == "math" or shape is None:
+        return _attend_lse_math(q, k, v, scale, offset, block)
+    n, causal = shape
+    return _FUSED[backend](q, k[:, :, :n], v[:, :, :n], scale, causal)
+
+
+def _bottom_right(offset: Optional[int], lq: int, lk: int) -> Optional[tuple[int, bool]]:
+    """The mask ``t <= u + offset`` as what the CUDA kernels take: ``(n, causal)`` = the first
+    n keys, all of them or causal aligned bottom-right (row u sees t <= u + n - lq; FlashAttention
+    and torch's flash op align a non-square causal mask so). DCA's and LongHeads' pieces are
+    all of this form (``offset = lk - lq`` or none); None for the rest, which math computes."""
+    if offset is None or offset >= lk - 1:
+        return lk, False
+    n = lq + offset
+    return (n, True) if n <= lk else None
+
+
+def _cpu_lse(q, k, v, scale, offset):
+    """torch's fused CPU kernel: GQA folded when no mask, top-left causal when square, else an
+    additive (L, Lk) mask (the piece's own size, never N×N)."""
     h, hkv = q.shape[1], k.shape[1]
     l, lk = q.shape[2], k.shape[2]
-    if backend == "sdpa":
-        op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-        if offset is None:
-            out, lse = op(_fold(q, hkv), k, v, 0.0, False, scale=scale)
-            return _unfold(out, h), _unfold(lse, h)
-        groups = h // hkv
-        k, v = (x.repeat_interleave(groups, dim=1) if groups > 1 else x for x in (k, v))
-        if offset == 0 and l == lk:
-            return op(q, k, v, 0.0, True, scale=scale)
-        # the kernel takes additive masks only: -inf where key t > u + offset
-        bias = torch.full((l, lk), float("-inf"), dtype=q.dtype, device=q.device).triu(offset + 1)
-        return op(q, k, v, 0.0, False, attn_mask=bias, scale=scale)
-    return _attend_lse_math(q, k, v, scale, offset, block)
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    if offset is None:
+        out, lse = op(_fold(q, hkv), k, v, 0.0, False, scale=scale)
+        return _unfold(out, h), _unfold(lse, h)
+    groups = h // hkv
+    k, v = (x.repeat_interleave(groups, dim=1) if groups > 1 else x for x in (k, v))
+    if offset == 0 and l == lk:
+        return op(q, k, v, 0.0, True, scale=scale)
+    # the kernel takes additive masks only: -inf where key t > u + offset
+    bias = torch.full((l, lk), float("-inf"), dtype=q.dtype, device=q.device).triu(offset + 1)
+    return op(q, k, v, 0.0, False, attn_mask=bias, scale=scale)
+
+
+def _efficient_lse(q, k, v, scale, causal):
+    """torch's memory-efficient kernel (the one V100 and fp32 have). It wants as many K/V heads
+    as queries: without a mask the query groups fold onto their K/V head (no copy of K/V);
+    causal pieces repeat K/V. Its LSE is padded to a multiple of 32 rows (with +inf)."""
+    h, hkv = q.shape[1], k.shape[1]
+    fold = hkv != h and not causal
+    if fold:
+        q = _fold(q, hkv)
+    elif hkv != h:
+        k, v = (x.repeat_interleave(h // hkv, dim=1) for x in (k, v))
+    t = lambda x: x.transpose(1, 2)  # noqa: E731  the op's (B, L, H, D) layout
+    out, lse = torch.ops.aten._efficient_attention_forward(
+        t(q), t(k), t(v), bias=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+        dropout_p=0.0, custom_mask_type=2 if causal else 0,  # 2: causal from the bottom right
+        compute_log_sumexp=True, scale=scale,
+    )[:2]
+    out, lse = t(out), lse[..., : q.shape[2]]
+    return (_unfold(out, h), _unfold(lse, h)) if fold else (out, lse)
+
+
+def _torch_flash_lse(q, k, v, scale, causal):
+    """FlashAttention-2 inside torch: fewer K/V heads natively, LSE (B, H, L)."""
+    return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, scale=scale)[:2]
+
+
+def _flash_attn_lse(q, k, v, scale, causal):
+    """The flash-attn package, (B, L, H, D) layout, fewer K/V heads natively."""
+    from flash_attn import flash_attn_func
+
+    t = lambda x: x.transpose(1, 2)  # noqa: E731
+    out, lse, _ = flash_attn_func(t(q), t(k), t(v), softmax_scale=scale, causal=causal, return_attn_probs=True)
+    return t(out), lse[..., : q.shape[2]]
+
+
+def _flex_lse(q, k, v, scale, offset):
+    """FlexAttention with its LSE (natural log: torch converts its internal log2 before
+    returning). Any offset is a mask_mod; compiled on CUDA, unfused on CPU."""
+    import torch.nn.attention.flex_attention as fa
+
+    from attn_patterns.flex import compiled_flex
+
+    l, lk = q.shape[2], k.shape[2]
+    mask = None
+    if offset is not None and offset < lk - 1:
+        mask = fa.create_block_mask(lambda b, h, u, t: t <= u + offset, None, None, l, lk, device=q.device,
+                                    _compile=q.is_cuda)
+    kernel = compiled_flex() if q.is_cuda else fa.flex_attention
+    aux = getattr(fa, "AuxRequest", None)  # torch >= 2.9; return_lse before
+    extra = {"return_aux": aux(lse=True)} if aux else {"return_lse": True}
+    out, lse = kernel(q, k, v, block_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1], **extra)
+    return out, (lse.lse if aux else lse).float()
+
+
+_FUSED = {"sdpa": _torch_flash_lse, "efficient": _efficient_lse, "flash": _flash_attn_lse}
 
 
 def _attend_lse_math(q, k, v, scale, offset, block):

@@ -70,14 +70,15 @@ class LongHeads(Pattern):
     """Per-head chunk selection with position remapping: chunk size l (paper: 256) and k
     chunks per head, first and local included (default: as many as fit the pretraining
     length, k = L // l; the paper's 4k Llama-2 runs use k·l = 2k or 4k). ``keep_previous``
-    also forces the chunk before the query's own, as the authors' code does."""
+    (default, as the authors' code does) also forces the chunk before the query's own;
+    ``keep_previous=False`` is the paper's text (first and own chunk only)."""
 
     name = "longheads"
     static = False
 
     def __init__(
         self, chunk_size: int = 256, chunks: Optional[int] = None, pretraining_length: Optional[int] = None,
-        keep_previous: bool = False,
+        keep_previous: bool = True,
     ) -> None:
         check_int("chunk_size", chunk_size, self.name)
         if not isinstance(keep_previous, bool):

@@ -55,6 +55,7 @@ class Causal(_Builtin):
     """``full``: every earlier key."""
 
     name = "full"
+    head_invariant = True
 
     def __init__(self, backend: Optional[str] = None) -> None:
         super().__init__(backend)
@@ -67,6 +68,8 @@ class Causal(_Builtin):
 
 
 class _Chunked(_Builtin):
+    head_invariant = True
+
     def __init__(self, chunks: int = 4, backend: Optional[str] = None) -> None:
         super().__init__(backend, chunks=check_int("chunks", chunks, self.name))
         self.chunks = chunks
@@ -195,15 +198,18 @@ class Dilated(_Builtin):
         return lo, hi, torch.full_like(i, self.dilation)
 
     def forward(self, q, k, v, backend):
-        # View the sequence as (M, dilation) and let head h take column h % dilation of its
-        # own q and of its K/V head h // groups: one causal call for all heads, K/V never
-        # repeated. Tail padding sits after every real token, so it is invisible to real
+        return self.forward_heads(q, k, v, backend, 0, q.shape[1])
+
+    def forward_heads(self, q, k, v, backend, offset, total):
+        # View the sequence as (M, dilation) and let head h take column (offset + h) % dilation
+        # of its own q and of its K/V head h // groups: one causal call for all heads, K/V
+        # never repeated. Tail padding sits after every real token, so it is invisible to real
         # queries; the rows it adds are dropped.
         b, h, n, d = q.shape
         step = self.dilation
         m = -(-n // step)
         heads = torch.arange(h, device=q.device)
-        column = heads % step
+        column = (heads + offset) % step
 
         def pick(x: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
             grid = F.pad(x, (0, 0, 0, m * step - n)).view(b, x.shape[1], m, step, d)
@@ -294,16 +300,24 @@ class Mixed(_Builtin):
         return out
 
     def forward(self, q, k, v, backend):
-        spans = self.split(q.shape[1])
+        return self.forward_heads(q, k, v, backend, 0, q.shape[1])
+
+    def forward_heads(self, q, k, v, backend, offset, total):
+        # each part's share of heads [offset, last), as local heads [s, e) and the part's own
+        # heads [s + offset - start, ...) of its end - start
+        last = offset + q.shape[1]
+        spans = [(p, max(start, offset) - offset, min(end, last) - offset, start, end)
+                 for p, start, end in self.split(total) if start < last and end > offset]
         groups = q.shape[1] // k.shape[1]
-        sizes = [end - start for _, start, end in spans]
+        sizes = [e - s for _, s, e, _, _ in spans]
         # split (not slicing): its backward is one cat instead of a zero-filled copy per part
         qs = q.split(sizes, dim=1)
-        if all(p.native_gqa and s % groups == 0 and e % groups == 0 for p, s, e in spans):
+        if all(p.native_gqa and s % groups == 0 and e % groups == 0 for p, s, e, _, _ in spans):
             kvs = zip(*(x.split([n // groups for n in sizes], dim=1) for x in (k, v)))
         else:
-            kvs = (_kv_heads(k, v, start, end, groups, p.native_gqa) for p, start, end in spans)
-        return torch.cat([p.forward(qh, *kv, backend) for (p, _, _), qh, kv in zip(spans, qs, kvs)], dim=1)
+            kvs = (_kv_heads(k, v, s, e, groups, p.native_gqa) for p, s, e, _, _ in spans)
+        return torch.cat([p.forward_heads(qh, *kv, backend, s + offset - start, end - start)
+                          for (p, s, _, start, end), qh, kv in zip(spans, qs, kvs)], dim=1)
 
 
 def _kv_heads(k, v, start: int, end: int, groups: int, native: bool):

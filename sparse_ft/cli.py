@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import shlex
 import sys
 from typing import Optional
 
@@ -79,7 +80,10 @@ def parse(parser: argparse.ArgumentParser, argv: Optional[list[str]]) -> argpars
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    return run(parse(build_parser(), argv))
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse(build_parser(), argv)
+    args.command_line = shlex.join(["sparse-ft", *argv])  # what a benchmark's results record as their command
+    return run(args)
 
 
 def script(name: str, prog: str, argv: Optional[list[str]] = None) -> int:

@@ -32,8 +32,11 @@ PATTERNS = ["full", "s2", "scca_fixed", "scca_flow", "longmixed"]
 # train, at its defaults but for the settings a 256-token base needs, each followed by its
 # ablation rows: a new method in sparse_ft.methods gets its row with no change here.
 TINY_BASE_PARAMS: dict[str, dict] = {"longheads": {"chunk_size": 32}}  # the paper's 256 is the whole window here
-ABLATIONS: dict[str, dict[str, dict]] = {  # DCA's Figure 4: intra-chunk alone, then with inter-chunk attention
-    "dca": {"dca_intra": {"pieces": "intra"}, "dca_intra_inter": {"pieces": "intra+inter"}},
+# DCA's Figure 4 (intra-chunk alone, then with inter-chunk attention), and DCA as the serving
+# engines run it for Qwen's dual_chunk_attention_config (chunk length s - w, logit scaling).
+ABLATIONS: dict[str, dict[str, dict]] = {
+    "dca": {"dca_intra": {"pieces": "intra"}, "dca_intra_inter": {"pieces": "intra+inter"},
+            "dca_qwen": {"variant": "qwen"}},
 }
 
 

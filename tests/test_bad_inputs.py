@@ -56,6 +56,18 @@ CASES = {
     "heads not divisible by the pattern": (
         ["attention.params.chunks=3"], None,
         r"recipe key attention.params=\{'chunks': 3\} is invalid: scca_flow: num_heads=8 must be divisible by 3"),
+    "sequence parallelism without DeepSpeed": (
+        ["train.sequence_parallel_size=2"], None,
+        r"recipe key train.sequence_parallel_size=2 is invalid: > 1 needs DeepSpeed \(Ulysses is DeepSpeed's\)"),
+    "sequence parallelism not dividing the sequence": (
+        ["deepspeed=zero3_cpu_fp32", "train.sequence_parallel_size=2", "data.seq_len=511"], None,
+        r"train.sequence_parallel_size=2 is invalid: must divide the sequence length data.seq_len=511"),
+    "sequence parallelism not dividing the heads": (
+        ["deepspeed=zero3_cpu_fp32", "train.sequence_parallel_size=16"], None,
+        r"train.sequence_parallel_size=16 is invalid: must divide the model's num_attention_heads=8"),
+    "sequence parallelism not dividing the processes": (
+        ["deepspeed=zero3_cpu_fp32", "train.sequence_parallel_size=2"], None,
+        r"train.sequence_parallel_size=2 is invalid: must divide the number of processes, 1 \(data parallelism"),
     "flash in float32": (
         ["attention.backend=flash"], None,
         r"recipe key attention.backend='flash' is invalid: flash-attn computes in float16/bfloat16 only and model.dtype is float32"),

@@ -147,7 +147,7 @@ def test_deepspeed_config_is_filled_from_the_recipe(tmp_path):
         ({"scheduler": {"type": "WarmupDecayLR", "params": {}}}, r"sets 'scheduler': the scheduler is the recipe's"),
         ({"optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}, r"sets 'optimizer': the optimizer is the recipe's \(AdamW with train.lr"),
         ({"gradient_accumulation_steps": 8}, r"sets gradient_accumulation_steps=8 but the recipe says 2; write \"auto\""),
-        ({"train_batch_size": 64}, r"sets train_batch_size=64 but per_device_batch_size 1 × gradient_accumulation_steps 2 × 2 processes = 4"),
+        ({"train_batch_size": 64}, r"sets train_batch_size=64 but per_device_batch_size 1 × gradient_accumulation_steps 2 × 2 data-parallel processes = 4"),
         ({"fp16": {"enabled": True}}, r"model.dtype='float32' is invalid: deepspeed config .* trains in float16"),
     ],
 )
@@ -161,3 +161,23 @@ def test_deepspeed_config_never_silently_overrides_the_recipe(tmp_path, change, 
     ok = json.loads((cfg.DS_CONFIG_DIR / "zero3_cpu_fp32.json").read_text()) | {"gradient_accumulation_steps": 2, "train_batch_size": 4}
     path.write_text(json.dumps(ok))  # values equal to the recipe's are fine
     assert resolve_deepspeed_config(load_recipe("tiny", [f"deepspeed={path}"]), 2, on_cuda=False)["train_batch_size"] == 4
+
+
+@pytest.mark.parametrize(
+    "sp,world,heads,kv_heads,message",
+    [
+        (4, 8, 32, 8, None),  # KV heads split among the ranks
+        (8, 8, 32, 4, None),  # more ranks than KV heads: each KV head replicated
+        (3, 6, 32, 32, r"must divide the model's num_attention_heads=32"),
+        (4, 8, 12, 6, r"must divide the model's num_key_value_heads=6 or be a multiple of it"),
+        (4, 6, 32, 8, r"must divide the number of processes, 6"),
+    ],
+)
+def test_sequence_parallel_follows_deepspeeds_rules(sp, world, heads, kv_heads, message):
+    from sparse_ft.config.schema import check_sequence_parallel
+
+    if message is None:
+        check_sequence_parallel(sp, world, heads, kv_heads)
+    else:
+        with pytest.raises(ValueError, match=rf"recipe key train.sequence_parallel_size={sp} is invalid: {message}"):
+            check_sequence_parallel(sp, world, heads, kv_heads)

@@ -1,10 +1,16 @@
-"""Dual Chunk Attention: positions as the paper's eqs. 2–8, the three-piece kernel against a
-dense reference built from those positions, and the transformers path (prefill, KV-cache
-decoding, padding, GQA, RoPE scaling) against the same reference inside a tiny Llama."""
+"""Dual Chunk Attention: positions as the paper's eqs. 2–8 and the published code's, the
+three-piece kernel of every variant against a dense reference built from those positions and
+its logit factor, the transformers path (prefill, KV-cache decoding, padding, GQA, RoPE
+scaling) against the same reference inside a tiny Llama, and a tiny Qwen2 whose
+``dual_chunk_attention_config`` is read and run as the serving engines' formulas say."""
 
 from __future__ import annotations
 
+import importlib.util
+import logging
 import math
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,9 +20,23 @@ from attn_patterns import Pattern
 from attn_patterns.dca import dca_attention
 from attn_patterns.rotary import default_inv_freq, rotate
 from sparse_ft import methods
-from sparse_ft.attention import use_attention
+from sparse_ft.attention import current_method, use_attention
 from sparse_ft.methods import Method
+from sparse_ft.methods.dca import SPARSE_KEYS, model_dca_config, params_from_config
 from sparse_ft.tiny import tiny_llama
+
+VARIANTS = attn_patterns.dca.VARIANTS
+
+
+def _load_bench(name: str):
+    path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+SOURCES = _load_bench("dca_sources")  # the published code's formulas, written densely
 
 # --- reference ------------------------------------------------------------------------------
 
@@ -41,6 +61,20 @@ def reference(q, k, v, rel: torch.Tensor, inv_freq: torch.Tensor, scale: float |
     seen = (rel >= 0) & torch.ones(n, n, dtype=torch.bool).tril()
     weights = torch.softmax(scores.masked_fill(~seen, float("-inf")), -1)
     return weights @ v
+
+
+def factor(variant: str, n: int, c: int) -> float:
+    """The logit factor of the sources over n tokens: ChunkLlama's (1 + 0.05 ln(n/c))² (q and
+    k each), the engines' max(1, 0.1 ln(n/c) + 1)² (keys and softmax scale)."""
+    if variant == "paper" or n <= c:
+        return 1.0
+    return (1 + {"chunkllama": 0.05, "qwen": 0.1}[variant] * math.log(n / c)) ** 2
+
+
+def want(p: Pattern, q, k, v) -> torch.Tensor:
+    n, d = q.shape[2], q.shape[-1]
+    c = p.sizes()[2]
+    return reference(q, k, v, p.relative_positions(n), default_inv_freq(d), factor(p.variant, n, c) / math.sqrt(d))
 
 
 def qkv(b=2, h=4, hkv=2, n=23, d=16, seed=0, dtype=torch.float32):
@@ -76,8 +110,34 @@ def test_relative_positions_equations():
 
 def test_defaults_follow_the_paper():
     p = attn_patterns.get("dca", pretraining_length=4096)
-    assert p.sizes() == (3072, 1024, 4096)
+    assert p.sizes() == (3072, 1024, 4096) and p.logit_scale == "none"
     assert attn_patterns.get("dca").sizes(256) == (192, 64, 256)
+
+
+def test_variant_defaults_follow_their_code():
+    """ChunkLlama's replace_with_chunkllama: s = 3c/4, w = c/8, its mscale; qwen: the same
+    sizes without a model config, the engines' scale, and chunk_size = c allowed (Qwen's
+    configs set chunk_size = original_max_position_embeddings)."""
+    chunkllama = attn_patterns.get("dca", pretraining_length=4096, variant="chunkllama")
+    assert chunkllama.sizes() == (3072, 512, 4096) and chunkllama.logit_scale == "chunkllama"
+    qwen = attn_patterns.get("dca", pretraining_length=4096, variant="qwen")
+    assert qwen.sizes() == (3072, 512, 4096) and qwen.logit_scale == "qwen"
+    assert attn_patterns.get("dca", chunk_size=262144, local_window=8192, pretraining_length=262144,
+                             variant="qwen").sizes() == (262144, 8192, 262144)
+    assert attn_patterns.get("dca", pretraining_length=64, variant="qwen", logit_scale="none").logit_scale == "none"
+
+
+def test_logit_factor_is_the_sources_formula():
+    """Per call from the whole length: 1 up to c, then ChunkLlama's (1 + 0.05 ln 4)² = 1.1434
+    and the engines' (1 + 0.1 ln 4)² = 1.2965 at 4c."""
+    from attn_patterns.dca import logit_factor
+
+    assert logit_factor("chunkllama", 64, 64) == logit_factor("qwen", 10, 64) == logit_factor("none", 1000, 64) == 1.0
+    assert logit_factor("chunkllama", 256, 64) == pytest.approx(1.143434, abs=1e-6)
+    assert logit_factor("qwen", 256, 64) == pytest.approx(1.296477, abs=1e-6)
+    p = attn_patterns.get("dca", pretraining_length=64, variant="qwen")
+    assert p.scale(256, 16) == pytest.approx(1.296477 / 4, abs=1e-6)
+    assert p.scale(256, 16, base=0.5) == pytest.approx(1.296477 / 2, abs=1e-6)
 
 
 @pytest.mark.parametrize(
@@ -91,6 +151,8 @@ def test_defaults_follow_the_paper():
         (dict(variant="chunky"), "variant='chunky'"),
         (dict(variant="chunkllama", chunk_size=4, local_window=4, pretraining_length=8), "local_window=4"),
         (dict(pieces="inter"), "pieces='inter'"),
+        (dict(logit_scale="yarn"), "logit_scale='yarn'"),
+        (dict(variant="qwen", chunk_size=16, local_window=16, pretraining_length=64), "local_window=16"),
     ],
 )
 def test_parameters_are_validated(params, words):
@@ -122,16 +184,16 @@ def test_ablation_positions_and_mask():
 # --- the kernel -------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("backend", ["sdpa", "math"])
 @pytest.mark.parametrize("n", [5, 12, 23, 40])
-def test_kernel_matches_reference(backend, n):
-    """GQA (4 heads on 2), lengths inside one chunk, at a boundary and over many chunks."""
+def test_kernel_matches_reference(variant, backend, n):
+    """GQA (4 heads on 2), lengths inside one chunk, at a boundary and over many chunks; the
+    logit factor of the variant from 10 tokens on."""
     s, w, c = 6, 3, 10
     q, k, v = qkv(n=n)
-    p = attn_patterns.get("dca", chunk_size=s, local_window=w, pretraining_length=c)
-    out = p(q, k, v, backend=backend)
-    want = reference(q, k, v, p.relative_positions(n), default_inv_freq(16))
-    torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=1e-4)
+    p = attn_patterns.get("dca", chunk_size=s, local_window=w, pretraining_length=c, variant=variant)
+    torch.testing.assert_close(p(q, k, v, backend=backend).double(), want(p, q, k, v), atol=2e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "math"])
@@ -140,8 +202,7 @@ def test_kernel_matches_reference(backend, n):
 def test_ablation_kernel_matches_reference(backend, variant, pieces):
     q, k, v = qkv(n=31)
     p = attn_patterns.get("dca", chunk_size=6, local_window=3, pretraining_length=10, variant=variant, pieces=pieces)
-    want = reference(q, k, v, p.relative_positions(31), default_inv_freq(16))
-    torch.testing.assert_close(p(q, k, v, backend=backend).double(), want, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(p(q, k, v, backend=backend).double(), want(p, q, k, v), atol=2e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("w", [2, 4])
@@ -156,10 +217,13 @@ def test_chunkllama_variant_matches_its_positions(w):
     i = 4 * L + L - 1  # last row of chunk 4
     assert rel[i, 3 * L] == min(i % L + L, s) and rel[i, 0] == min(2 * L - 1, s)
     q, k, v = qkv(n=30)
-    torch.testing.assert_close(p(q, k, v).double(), reference(q, k, v, rel, default_inv_freq(16)), atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(p(q, k, v).double(), want(p, q, k, v), atol=2e-5, rtol=1e-4)
+    qwen = attn_patterns.get("dca", chunk_size=s, local_window=w, pretraining_length=10, variant="qwen")
+    assert torch.equal(qwen.relative_positions(n), rel)  # the engines' tables are ChunkLlama's
 
 
-def test_kernel_on_rotated_inputs_and_decoding():
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_kernel_on_rotated_inputs_and_decoding(variant):
     """q/k rotated at their true positions (what transformers passes) give the reference,
     and the last rows computed alone against the full cache equal the prefill's rows."""
     s, w, c, n = 6, 3, 10, 29
@@ -167,12 +231,13 @@ def test_kernel_on_rotated_inputs_and_decoding():
     inv = default_inv_freq(16)
     pos = torch.arange(n)
     q_rot, k_rot = rotate(q, pos, inv), rotate(k, pos, inv)
-    rel = attn_patterns.get("dca", chunk_size=s, local_window=w, pretraining_length=c).relative_positions(n)
-    full = dca_attention(q_rot, k_rot, v, inv, s, w, c)
-    torch.testing.assert_close(full.double(), reference(q, k, v, rel, inv), atol=2e-5, rtol=1e-4)
+    p = attn_patterns.get("dca", chunk_size=s, local_window=w, pretraining_length=c, variant=variant)
+    scale = p.scale(n, 16)
+    full = dca_attention(q_rot, k_rot, v, inv, s, w, c, scale, variant=variant)
+    torch.testing.assert_close(full.double(), want(p, q, k, v), atol=2e-5, rtol=1e-4)
     for tail in (1, 4, 13):
         for backend in ("sdpa", "math"):
-            part = dca_attention(q_rot[:, :, -tail:], k_rot, v, inv, s, w, c, backend=backend)
+            part = dca_attention(q_rot[:, :, -tail:], k_rot, v, inv, s, w, c, scale, backend=backend, variant=variant)
             torch.testing.assert_close(part, full[:, :, -tail:], atol=2e-5, rtol=1e-4)
 
 
@@ -183,10 +248,13 @@ def test_rotate_is_exact_at_long_distances():
     torch.testing.assert_close(rotate(x.float(), shift, inv).double(), rotate_at(x, shift.view(1, 1, 3), inv), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("pieces", attn_patterns.dca.PIECES)
-def test_future_tokens_never_leak(pieces):
+def test_future_tokens_never_leak(pieces, variant):
+    """Perturbed later tokens change no earlier row (the logit factor depends on the length
+    N only, as in the sources, not on what the tokens are)."""
     q, k, v = qkv(n=30)
-    p = attn_patterns.get("dca", chunk_size=6, local_window=3, pretraining_length=10, pieces=pieces)
+    p = attn_patterns.get("dca", chunk_size=6, local_window=3, pretraining_length=10, pieces=pieces, variant=variant)
     before = p(q, k, v)
     t = 17
     for x in (q, k, v):
@@ -280,25 +348,40 @@ def test_within_pretraining_length_equals_full_attention():
     assert not torch.allclose(_logits(model, ids)[:, 64:], full[:, 64:], atol=1e-3)
 
 
-def test_cached_decoding_equals_prefill():
+def _dca_model(variant: str, c: int = 32):
+    """A tiny model running ``variant``: the Llama with c = 32 (paper: s = 24, w = 8), or the
+    tiny Qwen2 whose dual_chunk_attention_config gives the qwen variant its values."""
+    if variant == "qwen":
+        model = SOURCES.tiny_qwen()
+        use_attention(model, "dca")
+        return model
+    model = tiny_llama(max_position_embeddings=c)
+    use_attention(model, "dca", variant=variant)
+    return model
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_cached_decoding_equals_reprefill(variant):
+    """Every cached call (prefill, chunked prefill, one-token steps) gives the logits a
+    prefill of the sequence so far gives for those tokens: the logit factor of a call is the
+    one of its whole length, as in the sources (without a factor, one full prefill)."""
     from transformers import DynamicCache
 
-    model = tiny_llama(max_position_embeddings=32)  # s = 24, w = 8
-    use_attention(model, "dca")
-    ids = torch.randint(3, 300, (1, 76), generator=torch.Generator().manual_seed(3))
-    full = _logits(model, ids)
+    model = _dca_model(variant)
+    n = 150 if variant == "qwen" else 76  # qwen: chunks of 64 - 16 = 48, factor from 64 tokens on
+    ids = torch.randint(3, 300, (1, n), generator=torch.Generator().manual_seed(3))
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        steps = [model(input_ids=ids[:, :40], past_key_values=cache, use_cache=True).logits]
-        steps.append(model(input_ids=ids[:, 40:47], past_key_values=cache, use_cache=True).logits)  # chunked prefill
-        for t in range(47, 76):
-            steps.append(model(input_ids=ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits)
-    torch.testing.assert_close(torch.cat(steps, 1).double(), full, atol=1e-5, rtol=1e-5)
+        for lo, hi in [(0, 40), (40, 47), (47, 48), (48, 49)] + [(t, t + 1) for t in range(n - 3, n)]:
+            if lo > cache.get_seq_length():  # the tokens in between, as one more chunk
+                model(input_ids=ids[:, cache.get_seq_length() : lo], past_key_values=cache, use_cache=True)
+            step = model(input_ids=ids[:, lo:hi], past_key_values=cache, use_cache=True).logits.double()
+            torch.testing.assert_close(step, _logits(model, ids[:, :hi])[:, lo:hi], atol=5e-5, rtol=1e-4)
 
 
-def test_generate_with_dca_matches_greedy_prefill():
-    model = tiny_llama(max_position_embeddings=32)
-    use_attention(model, "dca")
+@pytest.mark.parametrize("variant", ["paper", "qwen"])
+def test_generate_with_dca_matches_greedy_prefill(variant):
+    model = _dca_model(variant)
     ids = torch.randint(3, 300, (1, 70), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False, pad_token_id=0)
@@ -346,16 +429,82 @@ def test_packed_positions_are_refused():
         _logits(model, torch.randint(3, 300, (1, 20)), position_ids=packed)
 
 
-def test_benchmark_script_runs(tmp_path, capsys):
-    import importlib.util
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "bench" / "dca_prefill.py"
-    spec = importlib.util.spec_from_file_location("dca_prefill", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    out = tmp_path / "dca.json"
-    args = ["--lengths", "300", "--pretraining-length", "128", "--heads", "2", "--kv-heads", "1", "--head-dim", "16",
-            "--warmup", "0", "--repeats", "1", "--output", str(out)]
-    assert bench.main(args) == 0
-    assert "| 300 |" in capsys.readouterr().out and out.with_suffix(".md").exists()
+# --- a model that ships DCA: Qwen's dual_chunk_attention_config -------------------------------
+
+
+@pytest.mark.parametrize("variant, n", [("paper", 200), ("chunkllama", 200), ("qwen", 200), ("qwen", 64)])
+def test_variants_equal_their_sources_formulas(variant, n):
+    """Logits of our DCA against each source's formulas written densely (bench/dca_sources.py:
+    the paper's eqs.; ChunkLlama's q_t/qc_t/k_t tables and mscale; the engines' tables, key and
+    softmax scaling, from the tiny Qwen2's own dual_chunk_attention_config) over 200 tokens."""
+    assert SOURCES.agreement(variant, n) < 1e-5
+
+
+def test_leaving_out_the_logit_scale_is_measurable():
+    assert SOURCES.agreement("qwen", 200, logit_scale="none") > 1e-4
+
+
+def test_qwen_config_is_read_and_said(caplog):
+    model = SOURCES.tiny_qwen()
+    with caplog.at_level(logging.INFO, logger="sparse_ft.methods.dca"):
+        use_attention(model, "dca")
+    p = current_method(model).pattern_for(model.config)
+    assert (p.variant, p.sizes(1024), p.logit_scale) == ("qwen", (64, 16, 64), "qwen")
+    said = "dca: variant=qwen chunk_size=64 local_window=16 pretraining_length=64 logit_scale=qwen"
+    assert said in caplog.text and "original_max_position_embeddings=64" in caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]  # no sparse keys: no warning
+
+
+def test_explicit_parameters_override_the_config():
+    config = SOURCES.tiny_qwen().config
+    assert methods.get("dca", local_window=8).pattern_for(config).sizes(1024) == (64, 8, 64)
+    assert methods.get("dca", logit_scale="none").pattern_for(config).logit_scale == "none"
+    paper = methods.get("dca", variant="paper")
+    assert paper.pattern_for(config).sizes(1024) == (768, 256, 1024)  # the config is for the qwen variant only
+    assert "not used with variant='paper'" in paper.describe(config)
+    assert "no dual_chunk_attention_config" in methods.get("dca").describe(tiny_llama().config)
+
+
+def test_config_forms_and_engine_fallbacks():
+    """A dict (how transformers 4.x and 5.x keep the unknown key) or an object; keys the
+    config lacks take the engines' fallbacks; original_max_position_embeddings 0 turns the
+    scale off as in the engines."""
+    as_dict = {"chunk_size": 64, "local_size": 16, "original_max_position_embeddings": 64}
+    v4 = SimpleNamespace(rope_scaling=None, rope_theta=1e7, dual_chunk_attention_config=as_dict)
+    obj = SimpleNamespace(dual_chunk_attention_config=SimpleNamespace(**as_dict))
+    want_params = {"variant": "qwen", "chunk_size": 64, "local_window": 16, "pretraining_length": 64}
+    assert params_from_config(model_dca_config(v4)) == params_from_config(model_dca_config(obj)) == want_params
+    assert params_from_config({}) == {"variant": "qwen", "chunk_size": 8192, "local_window": 1024, "logit_scale": "none"}
+    assert model_dca_config(SimpleNamespace()) is None
+
+
+@pytest.mark.parametrize("sparse", [{"sparse_attention_enabled": True}, {"sparse_attention_config": [{}]}])
+def test_sparse_prefill_keys_are_said_to_be_ignored(sparse, caplog):
+    model = SOURCES.tiny_qwen(dca=SOURCES.QWEN_DCA | sparse)
+    with caplog.at_level(logging.WARNING, logger="sparse_ft.methods.dca"):
+        use_attention(model, "dca")
+    assert "does not implement it" in caplog.text and all(key in caplog.text for key in SPARSE_KEYS)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="sparse_ft.methods.dca"):
+        use_attention(SOURCES.tiny_qwen(dca=SOURCES.QWEN_DCA | sparse | {"sparse_attention_enabled": False}), "dca")
+    assert not caplog.text
+
+
+def test_cli_says_the_values_it_read(tmp_path, capsys):
+    import numpy as np
+
+    from sparse_ft.cli import main
+    from sparse_ft.data.token_files import write_token_file
+
+    SOURCES.tiny_qwen().save_pretrained(tmp_path / "qwen")
+    tokens = write_token_file(np.arange(3, 303) % 380, tmp_path / "t.bin", 384, "byt5")
+    assert main(["eval", "ppl", "--model", str(tmp_path / "qwen"), "--data", str(tokens), "--lengths", "160",
+                 "--stride", "160", "--method", "dca"]) == 0
+    assert "dca: variant=qwen chunk_size=64 local_window=16 pretraining_length=64 logit_scale=qwen" in capsys.readouterr().out
+
+
+def test_experiment_has_a_qwen_row():
+    from sparse_ft.experiment import free_methods
+
+    assert free_methods()["dca_qwen"] == ("dca", {"variant": "qwen"})

@@ -151,8 +151,13 @@ def test_methods_registry_and_rope_baselines():
 
 
 def test_quantised_ppl_is_close_to_fp32(tmp_path):
-    """NF4 (and 8-bit) on bitsandbytes' CPU backend, on a tiny model trained until its PPL is far
-    from uniform (a random model's PPL ~ vocabulary size hides broken weights)."""
+    """NF4 (and 8-bit) on bitsandbytes' CPU backend (tests/test_gpu.py: its CUDA one)."""
+    check_quantised_ppl(tmp_path, "cpu")
+
+
+def check_quantised_ppl(tmp_path, device: str):
+    """NF4 (and 8-bit) on ``device``, on a tiny model trained until its PPL is far from uniform
+    (a random model's PPL ~ vocabulary size hides broken weights)."""
     import bitsandbytes as bnb
 
     from sparse_ft.evaluation import loading
@@ -161,7 +166,7 @@ def test_quantised_ppl_is_close_to_fp32(tmp_path):
     tokens = np.frombuffer(text * 8, dtype=np.uint8).astype(np.int64) + 3  # ByT5 ids: byte + 3
     # every projection's output a multiple of 32: on CPUs with AVX512-BF16, bitsandbytes repacks
     # NF4 weights in blocks of 32 rows for inference (k/v of the default tiny model have 16)
-    model, ids = tiny_llama(num_key_value_heads=4).train(), torch.from_numpy(tokens[:128])[None]
+    model, ids = tiny_llama(num_key_value_heads=4).to(device).train(), torch.from_numpy(tokens[:128])[None].to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for _ in range(50):
         model(ids, labels=ids).loss.backward()
@@ -171,7 +176,7 @@ def test_quantised_ppl_is_close_to_fp32(tmp_path):
     tiny_tokenizer().save_pretrained(tmp_path / "m")
     results = {}
     for flag in ("fp32", "load_in_4bit", "load_in_8bit"):
-        loaded, _ = loading.load(str(tmp_path / "m"), **({} if flag == "fp32" else {flag: True}))
+        loaded, _ = loading.load(str(tmp_path / "m"), device=device, **({} if flag == "fp32" else {flag: True}))
         results[flag] = ppl.evaluate_length(loaded, tokens, 128, 64, "standard", methods.get("full"))["ppl"]
         if flag == "load_in_4bit":  # NF4 with double quantisation really ran, not an fp32 fallback
             layers = [m for m in loaded.modules() if isinstance(m, bnb.nn.Linear4bit)]

@@ -233,3 +233,12 @@ def test_right_padded_batch_equals_unpadded(long_model):
     torch.testing.assert_close(padded[1, :45], alone[0], atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="right padding only"):
         long_model(batch, attention_mask=mask.flip(1))
+
+
+def test_previous_chunk_is_kept_by_default_as_the_authors_do():
+    """The authors' code forces chunks m-1 and m (and 0); the paper-only selection stays as
+    keep_previous=False."""
+    assert LongHeads().keep_previous and not LongHeads(keep_previous=False).keep_previous
+    with pytest.raises(ValueError, match="chunks=2 must be >= 3"):
+        LongHeads(chunk_size=4, chunks=2)
+    assert LongHeads(chunk_size=4, chunks=2, keep_previous=False).chunks == 2

@@ -22,7 +22,8 @@ def test_every_shipped_recipe_validates_and_resolves(name):
             "lr": recipe.train.lr, "weight_decay": recipe.train.weight_decay, "betas": recipe.train.betas,
             "eps": 1e-8, "torch_adam": False}}
         assert "scheduler" not in config  # the schedule is the recipe's, built by the trainer
-        assert config["train_batch_size"] == 8 * recipe.train.per_device_batch_size * recipe.train.gradient_accumulation_steps
+        data_parallel = 8 // recipe.train.sequence_parallel_size
+        assert config["train_batch_size"] == data_parallel * recipe.train.per_device_batch_size * recipe.train.gradient_accumulation_steps
         assert not any(isinstance(v, str) and v.startswith("auto") for v in config.values())
 
 
@@ -50,6 +51,20 @@ def test_long_variants_extend_further_on_a100(length):
         assert r.attention.pattern == pattern and r.attention.backend in ("sdpa", "flash")  # "auto", resolved here
         assert r.deepspeed.endswith("bf16")
     assert load_recipe("scca_flow_16k").deepspeed == "zero3_offload_fp16"  # V100 16k: offload
+
+
+@pytest.mark.parametrize("name,length", [("scca_flow_64k_a100", 65536), ("longmixed_128k_a100", 131072)])
+def test_ulysses_recipes_split_each_sequence_over_8_a100(name, length):
+    from sparse_ft.config.schema import check_sequence_parallel
+
+    r = load_recipe(name)
+    assert r.seq_len == length == r.data.min_tokens and r.train.sequence_parallel_size == 8
+    assert r.model.name_or_path == "meta-llama/Llama-2-7b-hf" and r.train.gradient_checkpointing
+    config = resolve_deepspeed_config(r, world_size=8, on_cuda=True)
+    assert config["zero_optimization"]["stage"] == 3 and config["sequence_parallel_size"] == 8
+    assert config["train_batch_size"] == 8  # one data-parallel group of 8 ranks, 8 accumulation steps
+    check_sequence_parallel(8, 8, heads=32, kv_heads=32)  # Llama-2-7B
+    r.attention.method.pattern.check_heads(32)
 
 
 def test_multinode_example_names_an_existing_hostfile():

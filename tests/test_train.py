@@ -165,3 +165,14 @@ def test_prepare_train_builds_the_cache_the_trainer_reuses(tmp_path, common, ref
     assert main(["recipe=tiny", *common, f"train.output_dir={tmp_path / 'run'}"]) == 0
     assert "samples of 512 tokens" in capsys.readouterr().out
     assert sorted(cache.rglob("*")) == before  # found the trainer's cache instead of writing another
+
+
+def test_checkpoints_from_before_a_key_existed_resume_at_its_default(tmp_path):
+    """A checkpoint written before train.sequence_parallel_size existed ran without sequence
+    parallelism: it resumes at sp=1 and is refused, by name, at sp=2."""
+    from sparse_ft.train.fingerprint import check_resume
+
+    old = {"train.seed": 42, "world_size": 1}
+    check_resume(old, {"train.seed": 42, "train.sequence_parallel_size": 1, "world_size": 1}, [], tmp_path)
+    with pytest.raises(ValueError, match=r"train\.sequence_parallel_size: 1 then, 2 now"):
+        check_resume(old, {"train.seed": 42, "train.sequence_parallel_size": 2, "world_size": 1}, [], tmp_path)

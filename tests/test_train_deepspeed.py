@@ -26,9 +26,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch(out: Path, cache: Path, *extra: str) -> subprocess.CompletedProcess:
+def launch(out: Path, cache: Path, *extra: str, gpus: int = 2) -> subprocess.CompletedProcess:
+    """``deepspeed --num_gpus GPUS train.py recipe=tiny ...``: CPU ranks on gloo without CUDA."""
     launcher = Path(sys.executable).parent / "deepspeed"
-    argv = [str(launcher), "--num_gpus", "2", "--master_port", str(free_port()), "train.py", "recipe=tiny", "attention.pattern=scca_flow",
+    argv = [str(launcher), "--num_gpus", str(gpus), "--master_port", str(free_port()), "train.py", "recipe=tiny", "attention.pattern=scca_flow",
             "train.max_steps=4", "train.save_steps=2", *overrides(out, cache), *extra]
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

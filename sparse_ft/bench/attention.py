@@ -3,23 +3,28 @@
 The ideal speedup is what a kernel doing only the visible work would reach: visible
 (head, query, key) pairs of causal attention ÷ those of the pattern. The fraction of it that
 the measured speedup reaches tells how much the fast path loses to padding, copies and
-kernel launch overheads.
+kernel launch overheads. The baseline is the one SDPA call the patterns' blocks make
+(``attn_patterns.kernels.sdpa``), causal over the whole sequence: on an H100 in bf16 torch runs
+its flash kernel there, with grouped K/V natively. Every backend's rows share it, so the
+backends compare with each other as well.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Iterable, Optional
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Optional
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 import attn_patterns
-from sparse_ft.bench.machine import measure
+from attn_patterns.kernels import sdpa
+from sparse_ft.bench.machine import DTYPES, cell, measure
 
 DEFAULT_PATTERNS = ("s2", "scca_fixed", "scca_flow", "sda", "longmixed")
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# FlexAttention compiles one kernel per (pattern, length, grad mode); a sweep needs more than
+# torch's default of 8 recompilations, past which it would silently run unfused.
+FLEX_RECOMPILES = 256
 # What the peak-memory columns measure (sparse_ft.bench.machine.PeakMemory), for the report.
 PEAK_MEMORY = {
     "cuda": "growth of torch.cuda.max_memory_allocated over one forward+backward",
@@ -31,17 +36,18 @@ PEAK_MEMORY = {
 @dataclass
 class Row:
     pattern: str
+    backend: str
     seq_len: int
     heads: int
     kv_heads: int
     head_dim: int
-    ms: float
-    dense_ms: float
-    speedup: float
+    ms: Optional[float]  # None: out of memory
+    dense_ms: Optional[float]
+    speedup: Optional[float]
     ideal: float
-    fraction_of_ideal: float
-    peak_mib: float
-    dense_peak_mib: float
+    fraction_of_ideal: Optional[float]
+    peak_mib: Optional[float]
+    dense_peak_mib: Optional[float]
 
 
 def _step(attend, q, k, v):
@@ -54,9 +60,7 @@ def _step(attend, q, k, v):
 
 
 def _dense(q, k, v):
-    groups = q.shape[1] // k.shape[1]
-    k, v = (x.repeat_interleave(groups, dim=1) for x in (k, v))
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return sdpa(q, k, v, None, True)
 
 
 def run(
@@ -69,43 +73,44 @@ def run(
     kv_heads: Optional[int] = None,
     warmup: int = 1,
     repeats: int = 3,
-) -> list[Row]:
+    backends: Iterable[str] = ("sdpa",),
+) -> Iterator[Row]:
     dev = torch.device(device)
-    rows: list[Row] = []
     configs = [(n, h, d) for n in lengths for h in heads for d in head_dims]
-    patterns = list(patterns)
-    bar = tqdm(total=len(configs) * (len(patterns) + 1), desc="bench attention", unit="run")
+    patterns, backends = list(patterns), list(backends)
+    bar = tqdm(total=len(configs) * (len(patterns) * len(backends) + 1), desc="bench attention", unit="run")
     for n, h, d in configs:
         hk = kv_heads or h
         gen = torch.Generator(device=dev).manual_seed(0)
         make = lambda heads_: torch.randn(1, heads_, n, d, generator=gen, device=dev, dtype=DTYPES[dtype], requires_grad=True)  # noqa: E731
         q, k, v = make(h), make(hk), make(hk)
-        dense_ms, dense_mib = measure(_step(_dense, q, k, v), dev, warmup, repeats)
+        dense_ms, dense_mib = measure(_step(_dense, q, k, v), dev, warmup, repeats) or (None, None)
         bar.update()
         causal_pairs = attn_patterns.get("full").visible_pairs(n, h)
-        for name in patterns:
-            pattern = attn_patterns.get(name)
-            ms, mib = measure(_step(pattern, q, k, v), dev, warmup, repeats)
-            ideal = causal_pairs / pattern.visible_pairs(n, h)
-            speedup = dense_ms / ms
-            rows.append(Row(name, n, h, hk, d, ms, dense_ms, speedup, ideal, speedup / ideal, mib, dense_mib))
-            bar.update()
+        for backend in backends:
+            for name in patterns:
+                pattern = attn_patterns.get(name, backend=backend)
+                with torch._dynamo.config.patch(cache_size_limit=FLEX_RECOMPILES):
+                    ms, mib = measure(_step(pattern, q, k, v), dev, warmup, repeats) or (None, None)
+                ideal = causal_pairs / pattern.visible_pairs(n, h)
+                speedup = dense_ms / ms if ms and dense_ms else None
+                bar.update()
+                yield Row(name, backend, n, h, hk, d, ms, dense_ms, speedup, ideal,
+                          None if speedup is None else speedup / ideal, mib, dense_mib)
+        del q, k, v
     bar.close()
-    return rows
 
 
 def markdown(rows: list[Row]) -> str:
     lines = [
-        "| pattern | N | H | Hkv | D | ms | dense ms | speedup | ideal | of ideal | peak MiB | dense peak MiB |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| pattern | backend | N | H | Hkv | D | ms | dense ms | speedup | ideal | of ideal | peak MiB | dense peak MiB |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
-            f"| {r.pattern} | {r.seq_len} | {r.heads} | {r.kv_heads} | {r.head_dim} | {r.ms:.1f} | {r.dense_ms:.1f} | "
-            f"{r.speedup:.2f}× | {r.ideal:.2f}× | {r.fraction_of_ideal:.2f} | {r.peak_mib:.0f} | {r.dense_peak_mib:.0f} |"
+            f"| {r.pattern} | {r.backend} | {r.seq_len} | {r.heads} | {r.kv_heads} | {r.head_dim} | {cell(r.ms, '.1f')} | "
+            f"{cell(r.dense_ms, '.1f')} | {cell(r.speedup, '.2f', '–', '×')} | {r.ideal:.2f}× | "
+            f"{cell(r.fraction_of_ideal, '.2f', '–')} | {cell(r.peak_mib, '.0f')} | {cell(r.dense_peak_mib, '.0f')} |"
         )
     return "\n".join(lines)
 
-
-def as_dicts(rows: list[Row]) -> list[dict]:
-    return [asdict(r) for r in rows]

@@ -1,13 +1,19 @@
-"""``sparse-ft bench attention``: patterns against dense causal SDPA in the same run."""
+"""``sparse-ft bench attention|train|dca|eval``: each against its baseline in the same run.
+
+``--output X.json`` writes the JSON and ``X.md`` (title, command, table) after every row, so a
+sweep stopped by a time limit keeps what it measured (``"complete": false`` until the end)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import asdict, is_dataclass
 from pathlib import Path
+from typing import Any, Callable, Iterable
 
 HELP = "benchmarks against the dense baseline"
 DTYPES = ["fp32", "bf16", "fp16"]
+BACKENDS = ["sdpa", "flex", "flash"]
 QUICK = dict(lengths="2048,4096", heads="8", head_dims="64", repeats=2)
 
 
@@ -21,47 +27,99 @@ def _ints(text: str) -> list[int]:
     return values
 
 
-def _common(p: argparse.ArgumentParser, lengths: str, patterns: str) -> None:
-    """The flags both benchmarks take."""
+def _common(p: argparse.ArgumentParser, lengths: str) -> None:
+    """The flags every benchmark takes."""
     p.add_argument("--lengths", default=lengths, help="sequence lengths (comma list)")
-    p.add_argument("--patterns", default=patterns, help="patterns to measure beside the dense baseline (comma list)")
     p.add_argument("--dtype", choices=DTYPES, default=None, help="default: bf16 on CUDA, fp32 on CPU")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--warmup", type=int, default=1, help="unmeasured runs first")
-    p.add_argument("--repeats", type=int, default=3, help="measured runs; the median is reported")
-    p.add_argument("--output", type=Path, default=None, help="write results as JSON (default: the table only)")
+    p.add_argument("--repeats", type=int, default=3, help="measured runs")
+    p.add_argument("--output", type=Path, default=None,
+                   help="write results as JSON here and a markdown table beside it (default: the table only)")
+
+
+def _model(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", choices=["tiny", "1b"], default="tiny",
+                   help="tiny: 4 layers x 256 (CPU); 1b: 16 layers x 2048, 32 heads, 8 KV heads (GPU)")
 
 
 def configure(bench: argparse.ArgumentParser) -> None:
     which = bench.add_subparsers(dest="bench", required=True, metavar="KIND")
     p = which.add_parser("attention", help="forward+backward time and peak memory of each pattern vs dense causal SDPA")
-    _common(p, "2048,4096,8192,16384", "s2,scca_fixed,scca_flow,sda,longmixed")
+    _common(p, "2048,4096,8192,16384")
+    p.add_argument("--patterns", default="s2,scca_fixed,scca_flow,sda,longmixed", help="patterns (comma list)")
+    p.add_argument("--backends", default="sdpa", help=f"pattern backends, one row each (comma list of {', '.join(BACKENDS)})")
     p.add_argument("--heads", default="8", help="query heads (comma list)")
     p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default: as many as query heads)")
     p.add_argument("--head-dims", default="64", help="head dimensions (comma list)")
     p.add_argument("--quick", action="store_true", help="N in {2k, 4k}, H=8, D=64, 2 repeats (overrides those flags): a quick CPU check")
     p.set_defaults(func=main)
-    t = which.add_parser("train", help="tokens/s and peak memory of a training step per pattern vs full attention")
-    _common(t, "2048,4096,8192", "s2,scca_fixed,scca_flow,longmixed")
+    t = which.add_parser("train", help="tokens/s and peak memory of a LoRA+ training step per pattern vs full attention")
+    _common(t, "2048,4096,8192")
+    t.add_argument("--patterns", default="s2,scca_fixed,scca_flow,longmixed", help="patterns beside full attention (comma list)")
+    _model(t)
+    t.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=None,
+                   help="default: on for --model 1b (as the recipes train), off for tiny")
+    t.add_argument("--backend", choices=BACKENDS, default=None, help="the patterns' backend, as attention.backend (default: sdpa)")
     t.set_defaults(func=main_train)
+    d = which.add_parser("dca", help="DCA prefill time and peak memory vs causal SDPA (its flash kernel on CUDA)")
+    _common(d, "4096,8192,16384,32768")
+    d.add_argument("--heads", type=int, default=8, help="query heads")
+    d.add_argument("--kv-heads", type=int, default=2, help="key/value heads")
+    d.add_argument("--head-dim", type=int, default=64, help="head dimension")
+    d.add_argument("--pretraining-length", type=int, default=4096, help="c (Llama-2: 4096); s = 3c/4, w = c - s")
+    d.set_defaults(func=main_dca)
+    e = which.add_parser("eval", help="sliding-window PPL tokens/s of a 4-bit NF4 model vs the same model unquantised")
+    _common(e, "8192")
+    _model(e)
+    e.set_defaults(func=main_eval)
+
+
+def _setup(args: argparse.Namespace, name: str) -> tuple[Any, str, list[int]]:
+    """Device, dtype and lengths, with the checks every benchmark shares."""
+    import torch
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
+    try:
+        lengths = _ints(args.lengths)
+    except argparse.ArgumentTypeError as err:
+        raise ValueError(f"bench {name}: {err}") from None
+    if args.warmup < 0 or args.repeats < 1:
+        raise ValueError(f"bench {name}: --warmup={args.warmup} must be >= 0 and --repeats={args.repeats} >= 1")
+    return device, dtype, lengths
+
+
+def _backends(text: str, device: Any, dtype: str, flag: str) -> list[str]:
+    """The backends of ``flag`` that can run a forward+backward here; the others fail now, before
+    anything is measured, rather than at their first row."""
+    from attn_patterns.kernels import flash_available
+
+    backends = [b for b in text.split(",") if b]
+    unknown = [b for b in backends if b not in BACKENDS]
+    if not backends or unknown:
+        raise ValueError(f"{flag}={text!r} is not a comma list of {', '.join(BACKENDS)}")
+    if "flex" in backends and device.type != "cuda":
+        raise ValueError(f"{flag} flex needs CUDA (torch has no FlexAttention backward on CPU)")
+    if "flash" in backends and not (device.type == "cuda" and dtype != "fp32" and flash_available()):
+        raise ValueError(f"{flag} flash needs the flash-attn package, CUDA and --dtype bf16 or fp16")
+    return backends
 
 
 def main(args: argparse.Namespace) -> int:
-    import torch
-
     from sparse_ft.bench import attention
     from sparse_ft.bench.machine import describe
 
     if args.quick:
         for key, value in QUICK.items():
             setattr(args, key, value)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
+    device, dtype, lengths = _setup(args, "attention")
     try:
-        lengths, heads, dims = (_ints(x) for x in (args.lengths, args.heads, args.head_dims))
+        heads, dims = _ints(args.heads), _ints(args.head_dims)
     except argparse.ArgumentTypeError as err:
         raise ValueError(f"bench attention: {err}") from None
     patterns = [p for p in args.patterns.split(",") if p]
+    backends = _backends(args.backends, device, dtype, "bench attention: --backends")
     import attn_patterns
 
     for h in heads:  # bad names and head counts fail before any measurement
@@ -69,46 +127,94 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError(f"bench attention: --kv-heads={args.kv_heads} must divide every --heads value (got {h})")
         for name in patterns:
             attn_patterns.get(name).check_heads(h)
-    if args.warmup < 0 or args.repeats < 1:
-        raise ValueError(f"bench attention: --warmup={args.warmup} must be >= 0 and --repeats={args.repeats} >= 1")
     machine = describe(device)
-    rows = attention.run(lengths, heads, dims, patterns, dtype, str(device), args.kv_heads, args.warmup, args.repeats)
     memory = attention.PEAK_MEMORY.get(device.type, "not measured")
     title = (f"forward+backward, batch 1, {dtype}, median of {args.repeats} after {args.warmup} warm-up, "
              f"on {machine}; peak memory: {memory}")
-    return _report(args, title, attention.markdown(rows),
-                   {"machine": machine, "device": str(device), "dtype": dtype, "warmup": args.warmup,
-                    "repeats": args.repeats, "peak_memory": memory, "results": attention.as_dicts(rows)})
+    rows = attention.run(lengths, heads, dims, patterns, dtype, str(device), args.kv_heads, args.warmup, args.repeats,
+                         backends)
+    return _sweep(args, title, rows, attention.markdown,
+                  {"machine": machine, "device": str(device), "dtype": dtype, "warmup": args.warmup,
+                   "repeats": args.repeats, "peak_memory": memory})
 
 
 def main_train(args: argparse.Namespace) -> int:
-    import torch
-
-    from sparse_ft import methods
-    from sparse_ft.bench import train_step
+    from sparse_ft.bench import models, train_step
     from sparse_ft.bench.machine import describe
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
-    try:
-        lengths = _ints(args.lengths)
-    except argparse.ArgumentTypeError as err:
-        raise ValueError(f"bench train: {err}") from None
+    device, dtype, lengths = _setup(args, "train")
     patterns = [p for p in args.patterns.split(",") if p]
-    for name in patterns:  # the names a recipe trains through
-        methods.for_training(name, {}, None, "float32")
+    if args.backend is not None:
+        _backends(args.backend, device, dtype, "bench train: --backend")
+    train_step.trained_methods(patterns, args.backend, dtype)  # the names and backend a recipe takes
+    checkpointing = args.model == "1b" if args.gradient_checkpointing is None else args.gradient_checkpointing
     machine = describe(device)
-    rows = train_step.run(lengths, patterns, str(device), dtype, args.warmup, args.repeats)
-    title = f"training step (4-layer 256-dim Llama, 8 heads, batch 1, {dtype}) on {machine}"
-    return _report(args, title, train_step.markdown(rows),
-                   {"machine": machine, "device": str(device), "dtype": dtype, "model": train_step.MODEL,
-                    "results": train_step.as_dicts(rows)})
+    title = (f"training step (forward+backward, LoRA+ as the recipes train, gradient checkpointing "
+             f"{'on' if checkpointing else 'off'}, batch 1, {dtype}, patterns on {args.backend or 'sdpa'}, full attention "
+             f"the model's own; "
+             f"{models.describe(args.model)}), median of {args.repeats} after {args.warmup} warm-up, on {machine}")
+    rows = train_step.run(lengths, patterns, str(device), dtype, args.warmup, args.repeats, args.model, checkpointing,
+                          args.backend)
+    return _sweep(args, title, rows, train_step.markdown,
+                  {"machine": machine, "device": str(device), "dtype": dtype, "model": args.model,
+                   "model_config": models.MODELS[args.model], "gradient_checkpointing": checkpointing,
+                   "backend": args.backend, "warmup": args.warmup, "repeats": args.repeats})
 
 
-def _report(args: argparse.Namespace, title: str, table: str, payload: dict) -> int:
-    print(f"\n{title}\n\n{table}")
+def main_dca(args: argparse.Namespace) -> int:
+    from attn_patterns.dca import resolve
+    from sparse_ft.bench import dca
+    from sparse_ft.bench.machine import describe
+
+    device, dtype, lengths = _setup(args, "dca")
+    if min(args.heads, args.kv_heads, args.head_dim) < 1 or args.heads % args.kv_heads or args.head_dim % 2:
+        raise ValueError(f"bench dca: --heads={args.heads} must be a multiple of --kv-heads={args.kv_heads} and "
+                         f"--head-dim={args.head_dim} a positive even number")
+    s, w, c = resolve(args.pretraining_length)
+    machine = describe(device)
+    title = (f"DCA prefill vs causal SDPA{' (flash kernel)' if device.type == 'cuda' else ''}, {dtype}, "
+             f"H={args.heads}/{args.kv_heads}, D={args.head_dim}, c={c}, s={s}, w={w}, fastest of {args.repeats} "
+             f"alternating runs after {args.warmup} warm-up, on {machine}")
+    rows = dca.run(lengths, args.heads, args.kv_heads, args.head_dim, c, dtype, str(device), args.warmup, args.repeats)
+    return _sweep(args, title, rows, dca.markdown,
+                  {"machine": machine, "device": str(device), "dtype": dtype, "heads": args.heads,
+                   "kv_heads": args.kv_heads, "head_dim": args.head_dim, "pretraining_length": c,
+                   "warmup": args.warmup, "repeats": args.repeats})
+
+
+def main_eval(args: argparse.Namespace) -> int:
+    from sparse_ft.bench import eval_throughput, models
+    from sparse_ft.bench.machine import describe
+
+    device, dtype, lengths = _setup(args, "eval")
+    machine = describe(device)
+    title = (f"sliding-window PPL throughput, one window per run, NF4 (double quantisation, {dtype} compute) vs "
+             f"{dtype}, {models.describe(args.model)}, random weights, fastest of {args.repeats} alternating runs "
+             f"after {args.warmup} warm-up, on {machine}")
+    rows = eval_throughput.run(lengths, args.model, dtype, str(device), args.warmup, args.repeats)
+    return _sweep(args, title, rows, lambda r: eval_throughput.markdown(r, dtype),
+                  {"machine": machine, "device": str(device), "dtype": dtype, "model": args.model,
+                   "model_config": models.MODELS[args.model], "warmup": args.warmup, "repeats": args.repeats})
+
+
+def _sweep(args: argparse.Namespace, title: str, rows: Iterable[Any], table: Callable[[list], str], payload: dict) -> int:
+    command = getattr(args, "command_line", None)
+    done: list = []
+    for row in rows:
+        done.append(row)
+        _write(args.output, title, command, table(done), {**payload, "complete": False}, done)
+    _write(args.output, title, command, table(done), {**payload, "complete": True}, done)
+    print(f"\n{title}\n\n{table(done)}")
     if args.output:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps(payload, indent=2))
-        print(f"\nwrote {args.output}")
+        print(f"\nwrote {args.output} and {args.output.with_suffix('.md')}")
     return 0
+
+
+def _write(output: Path | None, title: str, command: str | None, table: str, payload: dict, rows: list) -> None:
+    if output is None:
+        return
+    output.parent.mkdir(parents=True, exist_ok=True)
+    results = [asdict(r) if is_dataclass(r) else r for r in rows]
+    output.write_text(json.dumps({**payload, "command": command, "results": results}, indent=2) + "\n")
+    made = f"Command: `{command}`\n\n" if command else ""
+    output.with_suffix(".md").write_text(f"{title}\n\n{made}{table}\n")

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import ctypes
+import gc
 import platform
 import re
 import statistics
 import time
 from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
 import torch
+
+# The benchmarks' --dtype values, the names recipes and ``sparse-ft eval`` give them, and torch's.
+DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+DTYPES = {short: getattr(torch, name) for short, name in DTYPE_NAMES.items()}
 
 
 def describe(device: torch.device) -> str:
@@ -70,19 +75,74 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure(fn: Callable[[], object], device: torch.device, warmup: int, repeats: int) -> tuple[float, float]:
-    """Median milliseconds of ``fn`` over ``repeats`` runs after ``warmup``, and the peak
-    memory growth (MiB) of one more run."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append((time.perf_counter() - start) * 1e3)
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _timed(fn: Callable[[], object], device: torch.device) -> float:
+    _sync(device)
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    return (time.perf_counter() - start) * 1e3
+
+
+def _peak(fn: Callable[[], object], device: torch.device) -> float:
     peak = PeakMemory(device)
     with peak.measure():
         fn()
-    return statistics.median(times), peak.mib
+    return peak.mib
+
+
+def measure(fn: Callable[[], object], device: torch.device, warmup: int, repeats: int) -> Optional[tuple[float, float]]:
+    """Median milliseconds of ``fn`` over ``repeats`` runs after ``warmup``, and the peak
+    memory growth (MiB) of one more run; None if the device ran out of memory, so that a
+    sweep records the size as OOM and goes on (full attention at 32k is expected to)."""
+    try:
+        for _ in range(warmup):
+            fn()
+        times = [_timed(fn, device) for _ in range(repeats)]
+        return statistics.median(times), _peak(fn, device)
+    except torch.cuda.OutOfMemoryError:
+        _free(device)
+        return None
+
+
+def interleaved(fns: dict[str, Callable[[], object]], device: torch.device, warmup: int,
+                repeats: int) -> dict[str, Optional[tuple[float, float]]]:
+    """Fastest of ``repeats`` alternating runs of each function (a shared machine slows runs,
+    never speeds them up, so the minimum is the least disturbed one and alternation exposes
+    all to the same load), and the peak memory growth (MiB) of one more run of each. A
+    function that runs out of memory gets None and drops out; the others go on."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    results: dict[str, Optional[tuple[float, float]]] = {name: None for name in fns}
+    alive = dict(fns)
+
+    def attempt(name: str, run: Callable[[], object]) -> object:
+        try:
+            return run()
+        except torch.cuda.OutOfMemoryError:
+            alive.pop(name)
+            _free(device)
+            return None
+
+    for _ in range(warmup):
+        for name, fn in list(alive.items()):
+            attempt(name, fn)
+    for _ in range(repeats):
+        for name, fn in list(alive.items()):
+            ms = attempt(name, lambda: _timed(fn, device))  # noqa: B023 (called at once)
+            if ms is not None:
+                times[name].append(ms)
+    for name, fn in list(alive.items()):
+        mib = attempt(name, lambda: _peak(fn, device))  # noqa: B023 (called at once)
+        if mib is not None:
+            results[name] = (min(times[name]), mib)
+    return results
+
+def cell(value: Optional[float], fmt: str, missing: str = "OOM", suffix: str = "") -> str:
+    """A table cell of a measurement: ``OOM`` where :func:`measure` gave none, ``–`` for a
+    ratio to a measurement that is missing."""
+    return missing if value is None else format(value, fmt) + suffix

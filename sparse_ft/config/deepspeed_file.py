@@ -17,6 +17,8 @@ RECIPE_OWNED = {
     "train_micro_batch_size_per_gpu": lambda t: t.per_device_batch_size,
     "gradient_accumulation_steps": lambda t: t.gradient_accumulation_steps,
     "gradient_clipping": lambda t: t.max_grad_norm,
+    # read where no SP groups exist yet (ZeRO-3's zero.Init): batch arithmetic over world / sp ranks
+    "sequence_parallel_size": lambda t: t.sequence_parallel_size,
 }
 
 

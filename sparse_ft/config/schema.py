@@ -68,6 +68,8 @@ class TrainSection:
     per_device_batch_size: int = 1
     gradient_accumulation_steps: int = 8
     gradient_checkpointing: bool = True
+    # DeepSpeed Ulysses: each sequence split over this many ranks, each attending with H/sp heads
+    sequence_parallel_size: int = 1
     max_grad_norm: float = 1.0
     seed: int = 42
     save_steps: int = 1000
@@ -105,7 +107,7 @@ CHOICES = {
     "train.scheduler": ("constant", "linear", "cosine"),
 }
 POSITIVE = {"model.target_length", "lora.r", "lora.alpha", "train.per_device_batch_size",
-            "train.gradient_accumulation_steps", "train.save_steps", "train.log_steps", "train.num_epochs"}
+            "train.gradient_accumulation_steps", "train.sequence_parallel_size", "train.save_steps", "train.log_steps", "train.num_epochs"}
 NON_NEGATIVE = {"train.warmup_steps", "train.weight_decay", "data.min_tokens"}
 REPORTERS = ("tensorboard", "wandb", "none")
 # What a resume must find as the checkpoint recorded it (the model, its adapters and attention, the
@@ -116,7 +118,7 @@ RESUME_KEYS = ("model.name_or_path", "model.dtype", "model.target_length", "mode
                "data.source", "data.split", "data.text_column", "data.min_tokens", "data.seq_len", "data.streaming",
                "data.max_documents", "train.seed", "train.lr", "train.betas", "train.weight_decay", "train.scheduler",
                "train.warmup_steps", "train.max_steps", "train.num_epochs", "train.per_device_batch_size",
-               "train.gradient_accumulation_steps", "train.max_grad_norm")
+               "train.gradient_accumulation_steps", "train.sequence_parallel_size", "train.max_grad_norm")
 
 
 class BadInput(ValueError):
@@ -170,6 +172,7 @@ def validate(recipe: Recipe) -> None:
     _check_data(recipe)
     _check_tiny(recipe.model)
     _check_attention(recipe)
+    _check_sequence_parallel(recipe)
     if recipe.deepspeed is not None:
         check_deepspeed(recipe, read_deepspeed_config(recipe.deepspeed))
 
@@ -231,6 +234,33 @@ def _check_attention(recipe: Recipe) -> None:
         raise BadInput(f"recipe key attention.pattern / attention.params: {err}") from None
     if att.backend == "flash" and recipe.model.dtype == "float32":
         fail("attention.backend", att.backend, "flash-attn computes in float16/bfloat16 only and model.dtype is float32; use sdpa or auto")
+
+
+def _check_sequence_parallel(recipe: Recipe) -> None:
+    """What Ulysses needs that the recipe alone decides; the heads and the world size are
+    checked where they are known (preflight)."""
+    sp = recipe.train.sequence_parallel_size
+    if sp == 1:
+        return
+    if recipe.deepspeed is None:
+        fail("train.sequence_parallel_size", sp, "> 1 needs DeepSpeed (Ulysses is DeepSpeed's): set deepspeed to a config in ds_configs/")
+    if recipe.seq_len % sp:
+        fail("train.sequence_parallel_size", sp, f"must divide the sequence length data.seq_len={recipe.seq_len} (each rank holds seq_len / sp tokens)")
+
+
+def check_sequence_parallel(sp: int, world_size: int, heads: int, kv_heads: int) -> None:
+    """DeepSpeed's rules for Ulysses, before anything loads: the world splits into SP groups,
+    each rank attends with heads / sp query heads, and K/V heads split the same way or are
+    replicated."""
+    if sp == 1:
+        return
+    if heads % sp:
+        fail("train.sequence_parallel_size", sp, f"must divide the model's num_attention_heads={heads} (each rank attends with heads / sp)")
+    if kv_heads % sp and sp % kv_heads:
+        fail("train.sequence_parallel_size", sp,
+             f"must divide the model's num_key_value_heads={kv_heads} or be a multiple of it (then K/V heads are replicated)")
+    if world_size % sp:
+        fail("train.sequence_parallel_size", sp, f"must divide the number of processes, {world_size} (data parallelism runs across world / sp groups)")
 
 
 def check_deepspeed(recipe: Recipe, config: dict) -> None:

@@ -102,11 +102,17 @@ def _check_outputs(args, *flags: str) -> None:
         check_parent_writable(path, f"--{flag}")
 
 
-def _load(args, tokenizer: bool = True):
+def _load(args, method, tokenizer: bool = True):
+    """The model and tokenizer; says what the method reads from the model's config."""
+    from sparse_ft.attention import pretrained
     from sparse_ft.evaluation import loading
 
-    return loading.load(args.model, args.adapter, args.dtype, args.load_in_4bit, args.load_in_8bit,
-                        args.bnb_compute_dtype, args.trust_remote_code, args.device, tokenizer)
+    model, tok = loading.load(args.model, args.adapter, args.dtype, args.load_in_4bit, args.load_in_8bit,
+                              args.bnb_compute_dtype, args.trust_remote_code, args.device, tokenizer)
+    said = method.describe(pretrained(model).config)
+    if said:
+        print(said)
+    return model, tok
 
 
 def _label(args) -> str:
@@ -137,7 +143,7 @@ def run_ppl(args) -> int:
         raise ValueError(f"--method {args.method} cannot report perplexity: {method.supports.no_ppl_reason}")
     _check_outputs(args, "output", "plot")
     is_token_file = tokens.check_data(args.data)
-    model, tokenizer = _load(args, tokenizer=not is_token_file)
+    model, tokenizer = _load(args, method, tokenizer=not is_token_file)
     vocab = model.get_output_embeddings().weight.shape[0]
     stream = tokens.load_tokens(args.data, tokenizer, vocab, args.data_dtype, args.split, args.text_column, args.max_tokens)
     too_long = [n for n in lengths if n > len(stream)]
@@ -176,7 +182,7 @@ def run_passkey(args) -> int:
         raise ValueError(f"--trials {args.trials} must be >= 1")
     method = _method(args)
     _check_outputs(args, "output", "heatmap")
-    model, tokenizer = _load(args)
+    model, tokenizer = _load(args, method)
     cells = passkey.evaluate(model, tokenizer, lengths, depths, args.trials, method, args.seed)
     label = _label(args)
     _emit(args, model, label, report.passkey_table(cells), cells)

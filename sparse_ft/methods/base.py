@@ -52,6 +52,11 @@ class Method:
     def check_model(self, config: Any) -> None:
         """Refuse a model this method cannot run when it is switched to, not mid-forward."""
 
+    def describe(self, config: Any) -> Optional[str]:
+        """The settings this method takes from a model with ``config``, for the CLI to say
+        (None: nothing beyond the parameters the user gave)."""
+        return None
+
     def apply(self, model: torch.nn.Module, length: int) -> None:
         """Make ``model`` attend with this method for sequences of ``length`` tokens
         (evaluation calls it per length)."""

@@ -5,10 +5,18 @@ the last of ``Nk`` positions, everything rotated at its true position with the m
 RoPE frequencies (so DCA composes with any scaling in them), and DCA needs no state.
 The model supplies what the pure pattern cannot know: ``c`` defaults to the context it
 handles now (``config.max_position_embeddings``) and the frequencies come from its config.
+
+Models that ship DCA (Qwen2.5-1M, Qwen3-2507) say so in ``dual_chunk_attention_config``,
+which transformers keeps as a plain attribute and never reads: without this, such a model
+silently runs plain attention. Asked for ``dca`` with no variant (or ``variant="qwen"``),
+the method takes that config's values as the serving engines do; parameters the user gives
+override them one by one.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Mapping
 from typing import Any, Optional
 
 import torch
@@ -18,12 +26,92 @@ from attn_patterns.kernels import LSE_BACKENDS
 from sparse_ft.methods.base import PatternBacked, Supports, register
 from sparse_ft.rope import rope_inv_freq
 
+logger = logging.getLogger(__name__)
+
+CONFIG_KEY = "dual_chunk_attention_config"
+# The engines' fallbacks for absent keys (vLLM / SGLang ``dual_chunk_attention_config.get``).
+CONFIG_DEFAULTS = {"chunk_size": 8192, "local_size": 1024, "original_max_position_embeddings": 0}
+# Read and ignored: the engines' vertical-slash sparse prefill, an approximation of DCA past
+# the threshold; this method computes DCA exactly at every length.
+SPARSE_KEYS = ("sparse_attention_config", "sparse_attention_enabled", "sparse_attention_threshold",
+               "sparse_attention_last_q")
+
+
+def model_dca_config(config: Any) -> Optional[dict[str, Any]]:
+    """The model's ``dual_chunk_attention_config`` as a dict (transformers 4.x and 5.x keep
+    the JSON object as a dict attribute; an object with attributes is accepted too), or None."""
+    raw = getattr(config, CONFIG_KEY, None)
+    if raw is None:
+        return None
+    if isinstance(raw, Mapping):
+        return dict(raw)
+    return dict(raw.to_dict() if hasattr(raw, "to_dict") else vars(raw))
+
+
+def params_from_config(dca_config: dict[str, Any]) -> dict[str, Any]:
+    """``variant='qwen'`` with the config's chunk_size, local_size (our local_window) and
+    original_max_position_embeddings (our pretraining_length: the length the logit scale
+    counts from; 0 turns the scale off, as in the engines)."""
+    values = CONFIG_DEFAULTS | {k: dca_config[k] for k in CONFIG_DEFAULTS if k in dca_config}
+    params: dict[str, Any] = {"variant": "qwen", "chunk_size": values["chunk_size"], "local_window": values["local_size"]}
+    original = values["original_max_position_embeddings"]
+    if original:
+        params["pretraining_length"] = original
+    else:
+        params["logit_scale"] = "none"
+    return params
+
+
+def sparse_prefill_enabled(dca_config: dict[str, Any]) -> bool:
+    """Whether the engines would switch to sparse prefill (their rule: enabled unless said
+    otherwise as soon as a sparse_attention_config is given)."""
+    return bool(dca_config.get("sparse_attention_enabled", dca_config.get("sparse_attention_config") is not None))
+
 
 @register
 class DualChunk(PatternBacked):
     name = "dca"
     pattern_class = DualChunkAttention
     supports = Supports(training=False, ppl=True, kv_cache=True, padding=("right",), backends=(None, *LSE_BACKENDS))
+
+    def __init__(self, **params: Any) -> None:
+        super().__init__(**params)
+        self.given = params
+
+    def pattern_for(self, config: Any) -> DualChunkAttention:
+        """The pattern a model with ``config`` runs: the model's own DCA configuration under
+        the user's parameters when it has one and no other variant was asked for."""
+        dca_config = model_dca_config(config)
+        if dca_config is None or self.given.get("variant", "qwen") != "qwen":
+            return self.pattern
+        return DualChunkAttention(**(params_from_config(dca_config) | self.given))
+
+    def describe(self, config: Any) -> str:
+        p = self.pattern_for(config)
+        s, w, c = p.sizes(int(config.max_position_embeddings))
+        dca_config = model_dca_config(config)
+        if dca_config is None:
+            source = "no dual_chunk_attention_config in the model"
+        elif p is self.pattern:
+            source = f"the model's dual_chunk_attention_config is not used with variant={p.variant!r}"
+        else:
+            given = ", ".join(sorted(self.given)) or "nothing"
+            read = ", ".join(f"{k}={dca_config[k]}" for k in CONFIG_DEFAULTS if k in dca_config)
+            source = f"from the model's dual_chunk_attention_config ({read}); given: {given}"
+        return (f"dca: variant={p.variant} chunk_size={s} local_window={w} pretraining_length={c} "
+                f"logit_scale={p.logit_scale} ({source})")
+
+    def check_model(self, config: Any) -> None:
+        p = self.pattern_for(config)
+        logger.info(self.describe(config))
+        dca_config = model_dca_config(config)
+        if p is not self.pattern and sparse_prefill_enabled(dca_config):
+            threshold = dca_config.get("sparse_attention_threshold", 32768)
+            logger.warning(
+                "dca: the model's dual_chunk_attention_config enables the serving engines' vertical-slash sparse "
+                f"prefill beyond sparse_attention_threshold={threshold} tokens; sparse-ft does not implement it and "
+                f"computes DCA exactly at every length (read and ignored: {', '.join(SPARSE_KEYS)})"
+            )
 
     def __call__(self, module, query, key, value, attention_mask, scaling: Optional[float] = None,
                  dropout: float = 0.0, **kwargs: Any) -> tuple[torch.Tensor, None]:
@@ -44,10 +132,14 @@ class DualChunk(PatternBacked):
                     "dca: position_ids must be the token indices (0..N-1 over the cache); packed sequences and left "
                     "padding are not supported"
                 )
-        p = self.pattern
         config = module.config
-        s, w, c = p.sizes(int(config.max_position_embeddings))
+        p = self.pattern_for(config)
+        context = int(config.max_position_embeddings)
+        s, w, c = p.sizes(context)
         inv_freq = rope_inv_freq(config, "dca").to(query.device)
-        out = dca_attention(query, key, value, inv_freq, s, w, c, scale=scaling, backend=p.backend,
+        # one factor per call from the whole length Nk, as the sources compute it
+        scale = p.scale(nk, query.shape[-1], context, scaling)
+        out = dca_attention(query, key, value, inv_freq, s, w, c, scale=scale, backend=p.backend,
                             variant=p.variant, pieces=p.pieces)
         return out.transpose(1, 2).contiguous(), None
+

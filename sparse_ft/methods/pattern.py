@@ -43,8 +43,11 @@ class PatternMethod(Method):
         self.pattern.check_heads(config.num_attention_heads)
 
     def __call__(self, module, query, key, value, attention_mask, scaling: Optional[float] = None,
-                 dropout: float = 0.0, **kwargs: Any) -> tuple[torch.Tensor, None]:
-        pattern = self.pattern
+                 dropout: float = 0.0, head_offset: int = 0, num_heads: Optional[int] = None,
+                 **kwargs: Any) -> tuple[torch.Tensor, None]:
+        """``head_offset`` / ``num_heads``: query holds heads ``[head_offset, ...)`` of
+        ``num_heads`` (a rank's heads under sequence parallelism)."""
+        pattern = self.pattern if num_heads is None else self.pattern.heads(head_offset, num_heads)
         if dropout:
             raise ValueError(f"attention dropout={dropout} is not supported by pattern {pattern!r}; set attention_dropout=0")
         if query.shape[2] != key.shape[2]:

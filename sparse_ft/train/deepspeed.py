@@ -29,12 +29,13 @@ def resolve_deepspeed_config(recipe: Recipe, world_size: int, on_cuda: Optional[
     config = read_deepspeed_config(recipe.deepspeed)
     check_deepspeed(recipe, config)
     t = recipe.train
-    global_batch = t.per_device_batch_size * t.gradient_accumulation_steps * world_size
+    data_parallel = world_size // t.sequence_parallel_size  # an SP group's ranks share each batch
+    global_batch = t.per_device_batch_size * t.gradient_accumulation_steps * data_parallel
     if "train_batch_size" in config and not is_auto(config["train_batch_size"]) and config["train_batch_size"] != global_batch:
         raise ValueError(
             f"deepspeed config {recipe.deepspeed} sets train_batch_size={config['train_batch_size']} but per_device_batch_size "
-            f"{t.per_device_batch_size} × gradient_accumulation_steps {t.gradient_accumulation_steps} × {world_size} processes "
-            f"= {global_batch}; write \"auto\" there"
+            f"{t.per_device_batch_size} × gradient_accumulation_steps {t.gradient_accumulation_steps} × {data_parallel} "
+            f"data-parallel processes = {global_batch}; write \"auto\" there"
         )
     config.pop("scheduler", None)
     for key, owned in RECIPE_OWNED.items():
@@ -53,7 +54,10 @@ def resolve_deepspeed_config(recipe: Recipe, world_size: int, on_cuda: Optional[
 
 class DeepSpeedEngine(Engine):
     """DeepSpeed steps the optimizer itself at accumulation boundaries and partitions the
-    trainable tensors (ZeRO); the accessors gather them for checkpoints and adapters."""
+    trainable tensors (ZeRO); the accessors gather them for checkpoints and adapters. ``mpu``:
+    the sequence-parallel groups, when there are (``sparse_ft.train.sequence_parallel``)."""
+
+    mpu = None
 
     def __init__(self, model: torch.nn.Module, recipe: Recipe, total_steps: int, ds_config: dict) -> None:
         self.ds_config = ds_config
@@ -73,7 +77,7 @@ class DeepSpeedEngine(Engine):
 
         self.engine, optimizer, _, scheduler = deepspeed.initialize(
             model=self.model, model_parameters=trainable, config=self.ds_config,
-            lr_scheduler=lambda opt: LambdaLR(opt, factor),
+            lr_scheduler=lambda opt: LambdaLR(opt, factor), mpu=self.mpu,
         )
         return optimizer, scheduler
 

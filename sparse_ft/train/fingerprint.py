@@ -14,6 +14,8 @@ from sparse_ft.config import Recipe
 from sparse_ft.config.schema import RESUME_KEYS
 
 WORLD = "world_size"  # not a recipe key: the data order depends on it, so no recipe may allow it
+# Keys added after checkpoints were already being written: a checkpoint without one ran at this value.
+ADDED = {"train.sequence_parallel_size": 1}
 
 
 def fingerprint(recipe: Recipe, world_size: int) -> dict:
@@ -25,6 +27,7 @@ def fingerprint(recipe: Recipe, world_size: int) -> dict:
 def check_resume(saved: dict, current: dict, allowed: list[str], checkpoint: Path) -> None:
     """Raise ``ValueError`` naming every changed key the recipe does not allow (old and new
     value); print the allowed ones."""
+    saved = {**ADDED, **saved}
     changed = {key: (saved.get(key), value) for key, value in current.items() if saved.get(key) != value}
     refused = {key: change for key, change in changed.items() if key not in allowed}
     accepted = {key: change for key, change in changed.items() if key in allowed}

@@ -8,7 +8,8 @@ from typing import Optional
 
 from sparse_ft import rope
 from sparse_ft.attention import use_attention
-from sparse_ft.config import Recipe
+from sparse_ft.config import LoraSection, Recipe
+from sparse_ft.methods import Method
 from sparse_ft.models import DTYPES
 
 _KEEP_ALIVE: list = []  # transformers reads the ZeRO-3 config through a weak global reference
@@ -31,7 +32,6 @@ def extended_config(path: str, target_length: int, method: str, trust_remote_cod
 
 def build_model(recipe: Recipe, path: str, ds_config: Optional[dict] = None):
     """Base model with position interpolation, LoRA+ and the training pattern."""
-    from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     config = extended_config(path, recipe.model.target_length, recipe.model.rope_method, recipe.model.trust_remote_code)
@@ -42,15 +42,23 @@ def build_model(recipe: Recipe, path: str, ds_config: Optional[dict] = None):
     model = AutoModelForCausalLM.from_pretrained(
         path, config=config, dtype=DTYPES[recipe.model.dtype], trust_remote_code=recipe.model.trust_remote_code
     )
-    use_attention(model, recipe.attention.method)
-    if recipe.train.gradient_checkpointing:
+    return add_adapters(model, recipe.lora, recipe.attention.method, recipe.train.gradient_checkpointing)
+
+
+def add_adapters(model, lora: LoraSection, method: Method, gradient_checkpointing: bool):
+    """The training pattern, gradient checkpointing and LoRA+ on a loaded base model: what a
+    recipe trains, in one place, so that ``sparse-ft bench train`` measures the same step."""
+    from peft import LoraConfig, get_peft_model
+
+    use_attention(model, method)
+    if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    lora = LoraConfig(
-        r=recipe.lora.r,
-        lora_alpha=recipe.lora.alpha,
-        lora_dropout=recipe.lora.dropout,
-        target_modules=list(recipe.lora.target_modules),
-        modules_to_save=list(recipe.lora.extra_trainable) or None,
+    config = LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.target_modules),
+        modules_to_save=list(lora.extra_trainable) or None,
         task_type="CAUSAL_LM",
     )
-    return get_peft_model(model, lora)
+    return get_peft_model(model, config)

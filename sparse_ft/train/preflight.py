@@ -13,7 +13,7 @@ import torch
 
 from attn_patterns import kernels
 from sparse_ft.config import Recipe
-from sparse_ft.config.schema import BadInput, fail, one_line
+from sparse_ft.config.schema import BadInput, check_sequence_parallel, fail, one_line
 from sparse_ft.data.packing import check_source
 from sparse_ft.models import load_tokenizer
 from sparse_ft.tiny import tiny_llama_config, tiny_tokenizer
@@ -71,12 +71,15 @@ def _model_config(recipe: Recipe):
 
 
 def _check_heads(recipe: Recipe, config) -> None:
-    """Grouped-query attention and the pattern both divide the heads; unchecked, either fails
-    in the first forward."""
+    """Grouped-query attention, the pattern and sequence parallelism all divide the heads;
+    unchecked, any fails in the first forward."""
     heads = getattr(config, "num_attention_heads", None)
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     if heads is not None and heads % kv_heads:
         fail(*_model_key(recipe), f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+    if heads is not None:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        check_sequence_parallel(recipe.train.sequence_parallel_size, world, heads, kv_heads)
     try:
         recipe.attention.method.check_model(config)
     except ValueError as err:

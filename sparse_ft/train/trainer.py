@@ -5,11 +5,12 @@ accumulation, logging, checkpoints and a bit-identical resume."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -18,7 +19,7 @@ from tqdm import tqdm
 from sparse_ft.config import Recipe, format_recipe, save_resolved
 from sparse_ft.data.packing import build_train_dataset
 from sparse_ft.models import load_tokenizer, materialize_tiny
-from sparse_ft.train import checkpoint
+from sparse_ft.train import checkpoint, sequence_parallel
 from sparse_ft.train.adapter import save_adapter
 from sparse_ft.train.deepspeed import DeepSpeedEngine, resolve_deepspeed_config
 from sparse_ft.train.distributed import init_distributed
@@ -69,13 +70,20 @@ def write_probe(engine: Engine, input_ids: torch.Tensor, device: torch.device, p
         save_file({"input_ids": input_ids[None].contiguous(), "logits": logits.contiguous()}, str(path))
 
 
+def micro_per_epoch(recipe: Recipe, order: DataOrder) -> int:
+    """Micro-steps in an epoch: each rank's batches, or under sequence parallelism its SP
+    group's, which take their ranks' batches in turn."""
+    return order.per_epoch * recipe.train.sequence_parallel_size
+
+
 def total_steps(recipe: Recipe, order: DataOrder) -> int:
     if recipe.train.max_steps > 0:
         return recipe.train.max_steps
-    steps = recipe.train.num_epochs * order.per_epoch // recipe.train.gradient_accumulation_steps
+    per_epoch = micro_per_epoch(recipe, order)
+    steps = recipe.train.num_epochs * per_epoch // recipe.train.gradient_accumulation_steps
     if steps == 0:
         raise ValueError(
-            f"one epoch gives {order.per_epoch} micro-batches, fewer than train.gradient_accumulation_steps="
+            f"one epoch gives {per_epoch} micro-batches, fewer than train.gradient_accumulation_steps="
             f"{recipe.train.gradient_accumulation_steps}: set train.max_steps or add data"
         )
     return steps
@@ -175,12 +183,15 @@ class Trainer:
         on_cuda = torch.cuda.is_available()
         self.ds_config = resolve_deepspeed_config(self.recipe, self.world, on_cuda) if self.use_deepspeed else None
         self.model = build_model(self.recipe, self.base, self.ds_config)
+        self.mpu = sequence_parallel.register(self.model, self.recipe) if self.recipe.train.sequence_parallel_size > 1 else None
         self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if on_cuda else torch.device("cpu")
 
     def setup_engine(self) -> None:
         """The optimizer and schedule, through DeepSpeed when the recipe names a config."""
-        if self.use_deepspeed:
-            self.engine: Engine = DeepSpeedEngine(self.model, self.recipe, self.steps, self.ds_config)
+        if self.mpu is not None:
+            self.engine: Engine = sequence_parallel.UlyssesEngine(self.model, self.recipe, self.steps, self.ds_config, self.mpu)
+        elif self.use_deepspeed:
+            self.engine = DeepSpeedEngine(self.model, self.recipe, self.steps, self.ds_config)
         else:
             self.engine = Engine(self.model.to(self.device), self.recipe, self.steps)
         self.model.train()
@@ -209,6 +220,7 @@ class Trainer:
         ``save_steps`` and after the last (a run killed while saving the adapter resumes there)."""
         t = self.recipe.train
         self.log = MetricLog(self.out, t.report_to, self.history) if self.rank == 0 else None
+        self.batches = self.micro_batches(self.start * t.gradient_accumulation_steps)
         with tqdm(total=self.steps, initial=self.start, desc=f"train {self.recipe.name}", disable=self.rank != 0, unit="step") as bar:
             for step in range(self.start, self.steps):
                 record = self._step(step)
@@ -222,26 +234,35 @@ class Trainer:
                 if (step + 1) % t.save_steps == 0 or step + 1 == self.steps:
                     self._checkpoint(step + 1)
 
+    def _batch(self, micro: int) -> dict:
+        """This rank's micro-batch ``micro``, on the CPU."""
+        rows = [self.dataset[i] for i in self.order.indices(micro)]
+        return {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
+
+    def micro_batches(self, first: int) -> Iterator[dict]:
+        """The micro-batches this rank trains on from micro-batch ``first`` on: its own, or
+        under sequence parallelism its shard of its SP group's."""
+        if self.mpu is not None:
+            return sequence_parallel.shard_batches(self._batch, first, self.device)
+        return ({k: v.to(self.device) for k, v in self._batch(m).items()} for m in itertools.count(first))
+
     def _step(self, step: int) -> dict:
         """One optimizer step over ``gradient_accumulation_steps`` micro-batches; its log record."""
         began = time.perf_counter()
         lr = self.engine.lr()
         accum = self.recipe.train.gradient_accumulation_steps
-        losses = []
-        for micro in range(step * accum, (step + 1) * accum):
-            rows = [self.dataset[i] for i in self.order.indices(micro)]
-            batch = {k: torch.stack([r[k] for r in rows]).to(self.device) for k in rows[0]}
-            losses.append(self.engine.micro_step(batch))
+        losses = [self.engine.micro_step(next(self.batches)) for _ in range(accum)]
         grad_norm = self.engine.optimizer_step()
         loss = self.engine.mean(sum(losses) / len(losses))
         seconds = time.perf_counter() - began
-        tokens = self.recipe.train.per_device_batch_size * self.recipe.seq_len * accum * self.world
+        data_parallel = self.world // self.recipe.train.sequence_parallel_size
+        tokens = self.recipe.train.per_device_batch_size * self.recipe.seq_len * accum * data_parallel
         return {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                 "tokens_per_s": tokens / seconds, "peak_mem_mib": peak_memory_mib(self.device)}
 
     def _checkpoint(self, step: int) -> None:
         micro = step * self.recipe.train.gradient_accumulation_steps
-        position = {"samples": len(self.dataset), "micro_batches": micro, "epoch": micro // self.order.per_epoch}
+        position = {"samples": len(self.dataset), "micro_batches": micro, "epoch": micro // micro_per_epoch(self.recipe, self.order)}
         meta = {"history": self.history, "recipe": self.recipe.name, "data": position, "fingerprint": self.fingerprint}
         checkpoint.save_checkpoint(self.engine, self.out, step, meta, self.recipe.train.save_total_limit)
 

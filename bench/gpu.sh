@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# The GPU measurements of issue 12 on one lent H100 or H200, in three parts of under 10 minutes
+# each (one device call each; about 25 minutes in all), run from anywhere in the repository:
+#
+#   bench/gpu.sh part1   # machine and versions, the GPU tests, attention kernels (sdpa, flex, flash if importable)
+#   bench/gpu.sh part2   # training step of the 1B Llama at 8k, 16k, 32k (sdpa, then flex)
+#   bench/gpu.sh part3   # DCA prefill 8k-64k vs SDPA's flash kernel; eval NF4 vs bf16 at 8k
+#
+# Every step has its own time cap (each part under 8.5 minutes in all); a capped step keeps the rows it measured (the JSON says
+# "complete": false). Results: bench/results/<name>-<gpu>.{json,md}, the machine in
+# bench/results/machine-<gpu>.txt; with $OUT set (the device tool) they and the part's log are
+# copied there too, to be committed from this side with the command above.
+#
+# Nothing is installed from the network. Needs python3 (or $PYTHON) with CUDA torch,
+# transformers, peft, accelerate, safetensors, pyyaml, tqdm and numpy, as the device image has.
+# flash-attn is used only if it imports. bitsandbytes (part3's NF4 eval) is not in the image:
+# before the call, `python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12
+# --platform manylinux_2_24_x86_64 -d .whl bitsandbytes==0.50.2` (with /.whl/ in
+# .git/info/exclude) and carry `.whl`; this script installs any .whl/*.whl into /tmp/site.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PART=${1:-}
+PY=${PYTHON:-python3}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+case "$PART" in part1|part2|part3) ;; *) echo "usage: bench/gpu.sh part1|part2|part3" >&2; exit 2 ;; esac
+
+if compgen -G ".whl/*.whl" >/dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+GPU=$("$PY" -c 'import torch; assert torch.cuda.is_available(); print(torch.cuda.get_device_name().split()[1].lower())') \
+    || { echo "bench/gpu.sh: no CUDA device for $PY" >&2; exit 1; }
+RES=bench/results
+LOG=${OUT:-/tmp}/gpu-$PART-$GPU.log
+mkdir -p "$RES"
+WROTE=()
+
+step() {  # step CAP_SECONDS NAME COMMAND...: run with a cap, log, go on whatever happens
+    local cap=$1 name=$2
+    shift 2
+    echo "== $name: $* (cap ${cap}s, $(date -u +%H:%M:%S))"
+    timeout --signal=INT --kill-after=30 "$cap" "$@"
+    echo "== $name: exit $?"
+}
+
+bench() {  # bench CAP NAME ARGS...: sparse-ft bench ARGS --output bench/results/NAME-GPU.json
+    local cap=$1 name=$2
+    shift 2
+    WROTE+=("$RES/$name-$GPU.json" "$RES/$name-$GPU.md")
+    step "$cap" "$name" "$PY" -m sparse_ft bench "$@" --output "$RES/$name-$GPU.json"
+}
+
+imports() { "$PY" -c "import $1" 2>/dev/null; }
+
+part1() {
+    WROTE+=("$RES/machine-$GPU.txt")
+    {
+        nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+        "$PY" - <<'EOF'
+import importlib, platform, torch
+print("python", platform.python_version(), "| torch", torch.__version__, "| CUDA", torch.version.cuda,
+      "| cuDNN", torch.backends.cudnn.version(), "|", torch.cuda.get_device_name(),
+      f"{torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} GiB")
+for name in ("transformers", "peft", "accelerate", "triton", "flash_attn", "bitsandbytes"):
+    try:
+        print(name, importlib.import_module(name).__version__)
+    except ImportError:
+        print(name, "not installed")
+EOF
+    } | tee "$RES/machine-$GPU.txt"
+    if [ -f tests/test_gpu.py ]; then
+        WROTE+=("$RES/gpu-tests-$GPU.txt")
+        step 140 "gpu tests" "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py 2>&1 | tee "$RES/gpu-tests-$GPU.txt"
+    else
+        echo "== gpu tests: tests/test_gpu.py does not exist yet"
+    fi
+    local backends=sdpa
+    imports flash_attn && backends=sdpa,flash
+    bench 120 "attention-h32-d128-${backends//,/-}" attention --dtype bf16 --lengths 4096,8192,16384,32768 --heads 32 \
+        --kv-heads 8 --head-dims 128 --backends "$backends" --warmup 2 --repeats 5
+    # FlexAttention compiles a kernel per pattern and length: the target lengths only.
+    bench 220 attention-h32-d128-flex attention --dtype bf16 --lengths 16384,32768 --heads 32 --kv-heads 8 \
+        --head-dims 128 --backends flex --warmup 2 --repeats 5
+}
+
+part2() {
+    bench 300 train-1b train --model 1b --dtype bf16 --lengths 8192,16384,32768 \
+        --patterns s2,scca_fixed,scca_flow,longmixed --warmup 1 --repeats 3
+    bench 180 train-1b-flex train --model 1b --dtype bf16 --lengths 16384,32768 --backend flex \
+        --patterns s2,scca_fixed,longmixed --warmup 1 --repeats 2
+}
+
+part3() {
+    bench 250 dca-prefill dca --dtype bf16 --lengths 8192,16384,32768,65536 --heads 32 --kv-heads 8 --head-dim 128 \
+        --pretraining-length 4096 --warmup 1 --repeats 3
+    if imports bitsandbytes; then
+        bench 220 eval-nf4 eval --model 1b --dtype bf16 --lengths 8192 --warmup 1 --repeats 3
+    else
+        echo "== eval-nf4: not run, bitsandbytes does not import (carry its wheel in .whl/, see the top of this file)"
+    fi
+}
+
+exec > >(tee "$LOG") 2>&1
+echo "bench/gpu.sh $PART on $GPU, commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown), $(date -u)"
+"$PART"
+
+if [ -n "${OUT:-}" ]; then
+    for f in "${WROTE[@]}"; do
+        [ -f "$f" ] && cp "$f" "$OUT/"
+    done
+    ls -l "$OUT"
+fi

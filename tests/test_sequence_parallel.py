@@ -1,0 +1,101 @@
+"""DeepSpeed Ulysses on two CPU ranks (gloo), launched as the docs say: each sequence split
+over both ranks, each rank attending with half the heads, gives the single-process run's
+per-step losses, gradient norms and adapter for s2, scca_flow and longmixed; a resume from
+a checkpoint whose position falls inside the adapter's round of batches continues that curve.
+One launch trains all of them (each launch costs ~30 s here): run as a script, this module is
+what every rank runs."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from helpers_train import ROOT, assert_adapter_reproduces_probe, one_thread, overrides  # noqa: F401
+from test_train_deepspeed import free_port
+
+PATTERNS = ("s2", "scca_flow", "longmixed")
+RESUMED = "scca_flow"
+# 2 steps of 3 micro-batches: the resume from step 1 starts at micro-batch 3, rank 1's half
+# of the adapter's second round. No LoRA dropout: its masks would come from per-rank RNGs.
+SETTINGS = ["train.max_steps=2", "train.gradient_accumulation_steps=3", "train.save_steps=1",
+            "train.save_total_limit=10", "lora.dropout=0", "deepspeed=zero3_cpu_fp32"]
+
+
+def recipe_args(out: Path, cache: Path, pattern: str, *extra: str) -> list[str]:
+    return overrides(out, cache, f"attention.pattern={pattern}", *SETTINGS, *extra)
+
+
+def records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def adapter(out: Path) -> dict:
+    return load_file(str(out / "adapter" / "adapter_model.safetensors"))
+
+
+@pytest.mark.slow
+def test_ulysses_two_ranks_train_exactly_like_one_process_and_resume(tmp_path):
+    from sparse_ft.config import load_recipe
+    from sparse_ft.train.trainer import train
+
+    cache = tmp_path / "cache"
+    launcher = Path(sys.executable).parent / "deepspeed"
+    argv = [str(launcher), "--num_gpus", "2", "--master_port", str(free_port()), str(Path(__file__)), str(tmp_path), str(cache)]
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert f"resumed from {tmp_path / 'sp' / RESUMED / 'checkpoint-1'} at step 1" in done.stdout
+
+    for pattern in PATTERNS:
+        single = tmp_path / "single" / pattern
+        train(load_recipe("tiny", recipe_args(single, cache, pattern, "deepspeed=null")))
+        sp = tmp_path / "sp" / pattern
+        assert json.loads((sp / "train_summary.json").read_text())["world_size"] == 2
+        runs = [sp / "uninterrupted.jsonl", sp / "log.jsonl"] if pattern == RESUMED else [sp / "log.jsonl"]
+        want = records(single / "log.jsonl")
+        for run in runs:
+            got = records(run)
+            assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in want], abs=2e-6)
+            assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in want], rel=1e-5)
+        expected = adapter(single)
+        for name, tensor in adapter(sp).items():
+            torch.testing.assert_close(tensor, expected[name], atol=1e-6, rtol=1e-5)
+    # the probe written under SP (evaluation runs whole sequences per rank) is the saved adapter's
+    assert_adapter_reproduces_probe(tmp_path / "sp" / RESUMED)
+
+
+def _ranks_main(root: Path, cache: Path) -> None:
+    """Every rank: the three patterns with sequence_parallel_size=2, then the resumed one
+    again from its step-1 checkpoint."""
+    import torch.distributed as dist
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    from sparse_ft.config import load_recipe
+    from sparse_ft.train.trainer import train
+
+    def run(pattern: str) -> None:
+        train(load_recipe("tiny", recipe_args(root / "sp" / pattern, cache, pattern, "train.sequence_parallel_size=2")))
+        # a run owns its process; the next one here makes its own SP groups and ZeRO-3 config
+        parallel_state_sp._release_sequence_parallel_groups()
+        unset_hf_deepspeed_config()
+
+    for pattern in PATTERNS:
+        run(pattern)
+    out = root / "sp" / RESUMED
+    if dist.get_rank() == 0:  # as if killed after step 1
+        (out / "log.jsonl").rename(out / "uninterrupted.jsonl")
+        shutil.rmtree(out / "checkpoint-2")
+        (out / "train_summary.json").unlink()
+    dist.barrier()
+    run(RESUMED)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    torch.set_num_threads(1)
+    _ranks_main(Path(sys.argv[-2]), Path(sys.argv[-1]))
