@@ -42,7 +42,7 @@ from attn_patterns.base import Pattern, check_int, register
 from attn_patterns.kernels import attend_lse, lse_backend
 from attn_patterns.rotary import rotate as rerotate
 
-# Bound on the elements of one step's scores and gathered keys/values: memory independent of N.
+# Upper bound (estimated by _plan) on the elements of one step's tensors: memory independent of N.
 _BLOCK_ELEMENTS = 1 << 22
 
 
@@ -143,7 +143,7 @@ def _whole(q, k, v, l):
     return q[:, :, :n], k[:, :, :n], v[:, :, :n]
 
 
-def select_chunks(scores: torch.Tensor, m, k_chunks: int, keep_previous: bool = False) -> torch.Tensor:
+def select_chunks(scores: torch.Tensor, m: int | torch.Tensor, k_chunks: int, keep_previous: bool = False) -> torch.Tensor:
     """Which chunks a query of chunk ``m`` attends besides its own, as a mask over the chunk
     ids of ``scores`` (..., C): chunk 0 (and chunk m-1 with ``keep_previous``) and the best
     of the other chunks in 1..m-1 by ``scores``, min(k-1, m) in all. ``m`` is an int or a
