@@ -190,7 +190,7 @@ def attend(
 
 def _chunk_gather(k: torch.Tensor, v: torch.Tensor, l: int, inv_freq: Optional[torch.Tensor], whole: bool):
     """``gather(batch, kv_head, chunk)`` -> keys in chunk-local RoPE (positions 0..l-1) and
-    values (E,l,D) in fp32; a chunk past the last key is zero-padded or repeats the last key,
+    values (E,1,l,D) in the input dtype (the fused kernels' own); a chunk past the last key is zero-padded or repeats the last key,
     either way beyond every query. ``whole``: when more keys will be gathered than exist
     (prefill), rotate all keys once into a chunk-major copy and gather whole chunks as rows;
     otherwise (decoding) gather and rotate only what is asked, not the whole cache."""
@@ -198,7 +198,7 @@ def _chunk_gather(k: torch.Tensor, v: torch.Tensor, l: int, inv_freq: Optional[t
     if whole:
         chunks = -(-nk // l)
         local = -(torch.arange(nk, device=k.device) // l * l)
-        kc, vc = (F.pad(x, (0, 0, 0, chunks * l - nk)).reshape(b * hkv * chunks, l * d) for x in (rerotate(k.float(), local, inv_freq), v.float()))
+        kc, vc = (F.pad(x, (0, 0, 0, chunks * l - nk)).reshape(b * hkv * chunks, l * d) for x in (rerotate(k, local, inv_freq), v))
 
         def gather(eb, eh, ec):
             rows = (eb * hkv + eh) * chunks + ec
@@ -208,7 +208,7 @@ def _chunk_gather(k: torch.Tensor, v: torch.Tensor, l: int, inv_freq: Optional[t
 
     def gather(eb, eh, ec):
         index = (eb[:, None], eh[:, None], ((ec * l)[:, None] + torch.arange(l, device=k.device)).clamp(max=nk - 1))
-        return rerotate(k[index].float(), -(ec * l)[:, None], inv_freq).unsqueeze(1), v[index].float().unsqueeze(1)
+        return rerotate(k[index], -(ec * l)[:, None], inv_freq).unsqueeze(1), v[index].unsqueeze(1)
 
     return gather
 
@@ -244,7 +244,8 @@ def _step(q, q_raw, reps, gather, groups, blocks, n, start, l, k_chunks, inv_fre
     Each (batch, head, block) gathers the union of the earlier chunks its rows chose (a few
     times k, not N/l) once, and attends all its rows to each with one fused call
     (:func:`kernels.attend_lse`, batched over the union); the own chunk is one more, causal.
-    Each row then keeps only the pieces it chose, merged exactly by their log-sum-exps.
+    Each row then keeps only the pieces it chose, merged exactly by their log-sum-exps in
+    fp32; the pieces run in the input dtype, so a GPU's half-precision kernels can take them.
     Re-positioning happens in the chunk-local frame: keys are rotated back by their chunk's
     start, the query by its own chunk's start and forward by (R - r)·l for slot r (0 for its
     own chunk), so a row has only k query rotations, whose angles form a k-row table."""
@@ -262,18 +263,18 @@ def _step(q, q_raw, reps, gather, groups, blocks, n, start, l, k_chunks, inv_fre
     scores = torch.einsum("bhgid,bhcd->bhgic", block_rows(q_raw), reps[:, :, :top].float())
     chosen = select_chunks(scores, m[:, None], k_chunks, keep_previous)  # (B,H,G,n,top)
     queries = rerotate(  # (B,H,G,n,k,D): the query re-positioned for each of the k possible shifts
-        block_rows(q).float().unsqueeze(-2).expand(-1, -1, -1, -1, k_chunks, -1),
+        block_rows(q).unsqueeze(-2).expand(-1, -1, -1, -1, k_chunks, -1),
         (torch.arange(k_chunks, device=dev) - m[:, None, None]) * l, inv_freq,
     )
     # own chunk: shift 0, causal from the block's first row on; one call per sub-block offset
     segments = torch.arange(b * h * len(blocks), device=dev)
     sb, sh, sg = segments // (h * len(blocks)), segments // len(blocks) % h, segments % len(blocks)
     own_q = queries[..., 0, :].reshape(-1, 1, n, d)
-    own_out, own_lse = own_q.new_empty(len(segments), n, d), own_q.new_empty(len(segments), n)
+    own_out, own_lse = (own_q.new_empty(len(segments), n, *dims, dtype=torch.float32) for dims in ((d,), ()))
     for a in sorted({blk[1] for blk in blocks}):
         idx = (sub[sg] == a).nonzero().squeeze(-1)
         o, lse = attend_lse(own_q[idx], *gather(sb[idx], sh[idx] // groups, m[sg[idx]]), scale, a * n, backend, l)
-        own_out[idx], own_lse[idx] = o[:, 0], lse[:, 0]
+        own_out[idx], own_lse[idx] = o[:, 0].float(), lse[:, 0].float()
     member = chosen.any(-2)
     eb, eh, eg, ec = member.nonzero(as_tuple=True)  # union entries (batch, head, block, chunk), grouped by segment
     if not len(eb):  # only chunk 0 in this step
@@ -284,9 +285,9 @@ def _step(q, q_raw, reps, gather, groups, blocks, n, start, l, k_chunks, inv_fre
     flat = ((((eb * h + eh) * len(blocks) + eg)[:, None] * n + offsets) * k_chunks + shift).flatten()  # always in 1..R
     qe = queries.reshape(-1, d).index_select(0, flat).view(-1, 1, n, d)  # (E,1,n,D)
     out, lse = attend_lse(qe, *gather(eb, eh // groups, ec), scale, None, backend, l)
-    lse = lse[:, 0].masked_fill_(~chosen, float("-inf"))  # a row keeps only the chunks it chose
+    lse = lse[:, 0].float().masked_fill_(~chosen, float("-inf"))  # a row keeps only the chunks it chose
     top_lse = torch.maximum(torch.segment_reduce(lse, "max", lengths=lengths), own_lse)
     w, w_own = (lse - top_lse.repeat_interleave(lengths, dim=0)).exp_(), (own_lse - top_lse).exp_()
     total = torch.segment_reduce(w, "sum", lengths=lengths) + w_own
-    mixed = torch.segment_reduce(out[:, 0].mul_(w[..., None]), "sum", lengths=lengths) + own_out * w_own[..., None]
+    mixed = torch.segment_reduce(out[:, 0].float().mul_(w[..., None]), "sum", lengths=lengths) + own_out * w_own[..., None]
     return (mixed / total[..., None]).view(b, h, len(blocks), n, d)[:, :, real]
