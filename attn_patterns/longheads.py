@@ -20,8 +20,10 @@ m = p // l):
   (R = number of earlier slots), in fp32 with the model's ``inv_freq``.
 
 Within ``k·l`` tokens every earlier chunk is selected and every shift is 0: LongHeads is
-then exactly causal attention. Memory is O(N·k·l) per head, processed in query blocks;
-nothing is N×N.
+then exactly causal attention. The work is tensor ops over query blocks (one block = the rows
+of one chunk): each block attends once to the union of the chunks its rows chose and each
+row keeps its own choice (see :func:`_step`); a step of blocks holds at most
+``_BLOCK_ELEMENTS`` elements, so memory does not grow with N and nothing is N×N.
 
 Decoding with a KV cache needs the queries of the chunk being filled (the cache keeps
 only keys/values), so each attention layer keeps a small state: the representations of
@@ -37,11 +39,11 @@ import torch
 import torch.nn.functional as F
 
 from attn_patterns.base import Pattern, check_int, register
-from attn_patterns.kernels import attend_lse, lse_backend, merge_lse
+from attn_patterns.kernels import attend_lse, lse_backend
 from attn_patterns.rotary import rotate as rerotate
 
-# Elements of one gathered key block (rows × l × D per head): bounds memory independently of N.
-_BLOCK_ELEMENTS = 1 << 26
+# Upper bound (estimated by _plan) on the elements of one step's tensors: memory independent of N.
+_BLOCK_ELEMENTS = 1 << 22
 
 
 def chunk_representations(
@@ -53,13 +55,14 @@ def chunk_representations(
     m, l = n // chunk_size, chunk_size
     starts = (torch.arange(m, device=q.device) + first_chunk) * l
     local = -starts.repeat_interleave(l)  # chunk-local RoPE: positions 0..l-1
-    ql = rerotate(q.float(), local, inv_freq).view(b, h, m, l, d)
+    # chunks folded into the head dimension: 4-D input keeps SDPA's fused kernel
+    ql = rerotate(q.float(), local, inv_freq).reshape(b, h * m, l, d)
     kl = rerotate(k.float(), local, inv_freq)
     groups = h // k.shape[1]
-    kl = kl.repeat_interleave(groups, dim=1).view(b, h, m, l, d)
-    vl = v.float().repeat_interleave(groups, dim=1).view(b, h, m, l, d)
+    kl = kl.repeat_interleave(groups, dim=1).view(b, h * m, l, d)
+    vl = v.float().repeat_interleave(groups, dim=1).view(b, h * m, l, d)
     pooled = F.scaled_dot_product_attention(ql, kl, vl).mean(dim=-2, keepdim=True)  # q_i^c
-    return F.scaled_dot_product_attention(pooled, kl, kl).squeeze(-2)
+    return F.scaled_dot_product_attention(pooled, kl, kl).view(b, h, m, d)
 
 
 @register
@@ -140,23 +143,22 @@ def _whole(q, k, v, l):
     return q[:, :, :n], k[:, :, :n], v[:, :, :n]
 
 
-def select_chunks(scores: torch.Tensor, m: int, k_chunks: int, keep_previous: bool = False) -> torch.Tensor:
-    """Sorted chunk ids (..., R) a query of chunk m attends besides its own chunk: chunk 0
-    (and chunk m-1 with ``keep_previous``) and the best of the other chunks in 1..m-1 by
-    ``scores`` (..., >=m), R = min(k-1, m) in all."""
-    shape = scores.shape[:-1]
-    dev = scores.device
-    if m == 0:
-        return scores.new_zeros(*shape, 0, dtype=torch.long)
-    forced = [0] + ([m - 1] if keep_previous and m >= 2 else [])
-    lo, hi = 1, m - (len(forced) - 1)  # free candidates: lo..hi-1
-    free = k_chunks - 1 - len(forced)
-    if hi - lo <= free:
-        rest = torch.arange(lo, hi, device=dev).expand(*shape, hi - lo)
-    else:
-        rest = scores[..., lo:hi].topk(free, dim=-1).indices + lo
-    chosen = [torch.full((*shape, 1), c, dtype=torch.long, device=dev) for c in forced] + [rest]
-    return torch.cat(chosen, dim=-1).sort(dim=-1).values
+def select_chunks(scores: torch.Tensor, m: int | torch.Tensor, k_chunks: int, keep_previous: bool = False) -> torch.Tensor:
+    """Which chunks a query of chunk ``m`` attends besides its own, as a mask over the chunk
+    ids of ``scores`` (..., C): chunk 0 (and chunk m-1 with ``keep_previous``) and the best
+    of the other chunks in 1..m-1 by ``scores``, min(k-1, m) in all. ``m`` is an int or a
+    tensor broadcastable to ``scores.shape[:-1]``, so query blocks of different chunks are
+    selected in one call."""
+    ids = torch.arange(scores.shape[-1], device=scores.device)
+    m = torch.as_tensor(m, device=scores.device).unsqueeze(-1)
+    previous = (m >= 2) & keep_previous
+    forced = ((ids == 0) & (m >= 1)) | (previous & (ids == m - 1))
+    candidate = (ids >= 1) & (ids < m - previous.long())
+    free = k_chunks - 1 - forced.sum(-1, keepdim=True)
+    top = scores.masked_fill(~candidate, float("-inf")).topk(min(k_chunks - 2, scores.shape[-1]), dim=-1)
+    # fewer candidates than free slots: the -inf picks are dropped, so every candidate is kept
+    picked = (torch.arange(top.indices.shape[-1], device=scores.device) < free) & (top.values > float("-inf"))
+    return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, top.indices, picked) | forced
 
 
 def attend(
@@ -164,44 +166,128 @@ def attend(
     inv_freq: Optional[torch.Tensor], scale: float, keep_previous: bool = False,
 ) -> torch.Tensor:
     """LongHeads output (B,H,Nq,D) for the last Nq positions of Nk keys (rotated at their
-    true positions). ``reps`` (B,H,>=M,D) are the complete chunks' representations."""
+    true positions). ``reps`` (B,H,>=M,D) are the complete chunks' representations.
+
+    Rows are cut into blocks inside one chunk, so a block shares its own chunk, and a step
+    takes as many blocks as :data:`_BLOCK_ELEMENTS` allows (a few thousand tokens of a small
+    model in one step): the Python loop is over steps, never over rows or slots."""
     b, h, nq, d = q.shape
     nk = k.shape[2]
     start = nk - nq
-    groups = h // k.shape[1]
     q_raw = rerotate(q, -torch.arange(start, nk, device=q.device), inv_freq).float()  # RoPE-free, for scoring
+    gather = _chunk_gather(k, v, l, inv_freq, whole=nq * k_chunks * h >= nk * k.shape[1])
+    backend = lse_backend(None, q, k, v, "longheads")
     out = torch.empty_like(q)
-    bi = torch.arange(b, device=q.device)[:, None, None, None]
-    hi = (torch.arange(h, device=q.device) // groups)[None, :, None, None]
-    for m in range(start // l, (nk - 1) // l + 1):
-        row_lo, row_hi = max(m * l, start), min((m + 1) * l, nk)
-        slots = min(k_chunks - 1, m)
-        per_row = max(1, _BLOCK_ELEMENTS // (b * h * l * d))
-        for lo in range(row_lo, row_hi, per_row):
-            hi_row = min(lo + per_row, row_hi)
-            rows = slice(lo - start, hi_row - start)
-            scores = torch.einsum("bhid,bhmd->bhim", q_raw[:, :, rows], reps[:, :, :m].float()) if m > 1 else q_raw.new_zeros(b, h, hi_row - lo, m)
-            sel = select_chunks(scores, m, k_chunks, keep_previous)  # (B,H,n,R)
-            out[:, :, rows] = _block(q[:, :, rows], k, v, sel, m, lo, l, slots, inv_freq, scale, bi, hi)
+    rows, steps = _plan(start, nk, l, k_chunks, b * h, d)
+    for blocks in steps:
+        first = max(start, blocks[0][0] * l + blocks[0][1] * rows)
+        last = min(nk, blocks[-1][0] * l + min(l, (blocks[-1][1] + 1) * rows))
+        out[:, :, first - start : last - start] = _step(
+            q, q_raw, reps, gather, h // k.shape[1], blocks, rows, start, l, k_chunks, inv_freq, scale, keep_previous, backend
+        )
     return out
 
 
-def _block(q, k, v, sel, m, lo, l, slots, inv_freq, scale, bi, hi) -> torch.Tensor:
-    """Rows ``lo..`` of chunk m: the causal part of chunk m at its true distances, then each
-    selected earlier chunk re-positioned, each piece with its log-sum-exp, merged exactly
-    (:func:`kernels.merge_lse`); one gathered chunk per row exists at a time."""
-    own = slice(m * l, min((m + 1) * l, k.shape[2]))
-    # own chunk: true relative positions are kept, so no rotation
-    pieces = [attend_lse(q, k[:, :, own], v[:, :, own], scale, lo - m * l, lse_backend(None, q, k, v, "longheads"), l)]
-    offsets = torch.arange(l, device=q.device)
-    for r in range(slots):
-        # slot r holds chunk s = sel[..., r]; its distance to the query changes by
-        # ((R - r) - (m - s))·l, applied to the query instead of the l keys
-        chunk = sel[..., r]
-        q_r = rerotate(q, ((slots - r) - (m - chunk)) * l, inv_freq).float()
-        idx = (chunk * l).unsqueeze(-1) + offsets  # (B,H,n,l)
-        scores = torch.einsum("bhid,bhijd->bhij", q_r, k[bi, hi, idx].float()) * scale
-        lse = scores.logsumexp(-1)
-        out = torch.einsum("bhij,bhijd->bhid", (scores - lse.unsqueeze(-1)).exp(), v[bi, hi, idx].float())
-        pieces.append((out, lse))
-    return merge_lse(pieces)
+def _chunk_gather(k: torch.Tensor, v: torch.Tensor, l: int, inv_freq: Optional[torch.Tensor], whole: bool):
+    """``gather(batch, kv_head, chunk)`` -> keys in chunk-local RoPE (positions 0..l-1) and
+    values (E,1,l,D) in the input dtype (the fused kernels' own); a chunk past the last key is zero-padded or repeats the last key,
+    either way beyond every query. ``whole``: when more keys will be gathered than exist
+    (prefill), rotate all keys once into a chunk-major copy and gather whole chunks as rows;
+    otherwise (decoding) gather and rotate only what is asked, not the whole cache."""
+    b, hkv, nk, d = k.shape
+    if whole:
+        chunks = -(-nk // l)
+        local = -(torch.arange(nk, device=k.device) // l * l)
+        kc, vc = (F.pad(x, (0, 0, 0, chunks * l - nk)).reshape(b * hkv * chunks, l * d) for x in (rerotate(k, local, inv_freq), v))
+
+        def gather(eb, eh, ec):
+            rows = (eb * hkv + eh) * chunks + ec
+            return kc.index_select(0, rows).view(-1, 1, l, d), vc.index_select(0, rows).view(-1, 1, l, d)
+
+        return gather
+
+    def gather(eb, eh, ec):
+        index = (eb[:, None], eh[:, None], ((ec * l)[:, None] + torch.arange(l, device=k.device)).clamp(max=nk - 1))
+        return rerotate(k[index], -(ec * l)[:, None], inv_freq).unsqueeze(1), v[index].unsqueeze(1)
+
+    return gather
+
+
+def _plan(start: int, nk: int, l: int, k_chunks: int, bh: int, d: int) -> tuple[int, list[list[tuple[int, int]]]]:
+    """Rows per block n and the blocks ``(chunk m, sub-block a)`` of each step: block (m, a)
+    holds rows m·l + a·n .. m·l + a·n + n - 1 (those in the call and in chunk m are real).
+    A step's size is bounded from above: a block gathers at most min(m, n·(k-1)) chunks
+    besides its own, each with n×l scores and l keys and values."""
+
+    def cost(m: int, n: int) -> int:
+        return bh * ((min(m, n * (k_chunks - 1)) + 1) * l * (n + 2 * d) + n * (k_chunks * d + m + 1))
+
+    n = l
+    while n > 1 and cost((nk - 1) // l, n) > _BLOCK_ELEMENTS:
+        n = (n + 1) // 2
+    per_chunk = -(-l // n)
+    first, last = (start // l * per_chunk + start % l // n, (nk - 1) // l * per_chunk + (nk - 1) % l // n)
+    steps, size = [[]], 0
+    for block in (divmod(i, per_chunk) for i in range(first, last + 1)):
+        c = cost(block[0], n)
+        if steps[-1] and size + c > _BLOCK_ELEMENTS:
+            steps.append([])
+            size = 0
+        steps[-1].append(block)
+        size += c
+    return n, steps
+
+
+def _step(q, q_raw, reps, gather, groups, blocks, n, start, l, k_chunks, inv_freq, scale, keep_previous, backend) -> torch.Tensor:
+    """Output (B,H,rows,D) of the real rows of ``blocks``.
+
+    Each (batch, head, block) gathers the union of the earlier chunks its rows chose (a few
+    times k, not N/l) once, and attends all its rows to each with one fused call
+    (:func:`kernels.attend_lse`, batched over the union); the own chunk is one more, causal.
+    Each row then keeps only the pieces it chose, merged exactly by their log-sum-exps in
+    fp32; the pieces run in the input dtype, so a GPU's half-precision kernels can take them.
+    Re-positioning happens in the chunk-local frame: keys are rotated back by their chunk's
+    start, the query by its own chunk's start and forward by (R - r)·l for slot r (0 for its
+    own chunk), so a row has only k query rotations, whose angles form a k-row table."""
+    b, h, nq, d = q.shape
+    nk, dev = start + nq, q.device
+    m = torch.tensor([blk[0] for blk in blocks], device=dev)
+    sub = torch.tensor([blk[1] for blk in blocks], device=dev)
+    offsets = torch.arange(n, device=dev)
+    local = sub[:, None] * n + offsets  # (G,n) row within its chunk
+    pos = m[:, None] * l + local
+    real = (local < l) & (pos >= start) & (pos < nk)
+    rows = (pos.clamp(start, nk - 1) - start).flatten()  # padding repeats a real row
+    top = blocks[-1][0]
+    block_rows = lambda x: x.index_select(2, rows).view(b, h, len(blocks), n, d)  # noqa: E731
+    scores = torch.einsum("bhgid,bhcd->bhgic", block_rows(q_raw), reps[:, :, :top].float())
+    chosen = select_chunks(scores, m[:, None], k_chunks, keep_previous)  # (B,H,G,n,top)
+    queries = rerotate(  # (B,H,G,n,k,D): the query re-positioned for each of the k possible shifts
+        block_rows(q).unsqueeze(-2).expand(-1, -1, -1, -1, k_chunks, -1),
+        (torch.arange(k_chunks, device=dev) - m[:, None, None]) * l, inv_freq,
+    )
+    # own chunk: shift 0, causal from the block's first row on; one call per sub-block offset
+    segments = torch.arange(b * h * len(blocks), device=dev)
+    sb, sh, sg = segments // (h * len(blocks)), segments // len(blocks) % h, segments % len(blocks)
+    own_q = queries[..., 0, :].reshape(-1, 1, n, d)
+    own_out, own_lse = (own_q.new_empty(len(segments), n, *dims, dtype=torch.float32) for dims in ((d,), ()))
+    for a in sorted({blk[1] for blk in blocks}):
+        idx = (sub[sg] == a).nonzero().squeeze(-1)
+        o, lse = attend_lse(own_q[idx], *gather(sb[idx], sh[idx] // groups, m[sg[idx]]), scale, a * n, backend, l)
+        own_out[idx], own_lse[idx] = o[:, 0].float(), lse[:, 0].float()
+    member = chosen.any(-2)
+    eb, eh, eg, ec = member.nonzero(as_tuple=True)  # union entries (batch, head, block, chunk), grouped by segment
+    if not len(eb):  # only chunk 0 in this step
+        return own_out.view(b, h, len(blocks), n, d)[:, :, real]
+    lengths = member.sum(-1).flatten()  # entries per segment (batch, head, block)
+    shift = chosen.sum(-1, keepdim=True) - chosen.cumsum(-1) + 1  # R - r for the chunk in slot r
+    chosen, shift = (x.permute(0, 1, 2, 4, 3)[eb, eh, eg, ec] for x in (chosen, shift))  # (E,n)
+    flat = ((((eb * h + eh) * len(blocks) + eg)[:, None] * n + offsets) * k_chunks + shift).flatten()  # always in 1..R
+    qe = queries.reshape(-1, d).index_select(0, flat).view(-1, 1, n, d)  # (E,1,n,D)
+    out, lse = attend_lse(qe, *gather(eb, eh // groups, ec), scale, None, backend, l)
+    lse = lse[:, 0].float().masked_fill_(~chosen, float("-inf"))  # a row keeps only the chunks it chose
+    top_lse = torch.maximum(torch.segment_reduce(lse, "max", lengths=lengths), own_lse)
+    w, w_own = (lse - top_lse.repeat_interleave(lengths, dim=0)).exp_(), (own_lse - top_lse).exp_()
+    total = torch.segment_reduce(w, "sum", lengths=lengths) + w_own
+    mixed = torch.segment_reduce(out[:, 0].float().mul_(w[..., None]), "sum", lengths=lengths) + own_out * w_own[..., None]
+    return (mixed / total[..., None]).view(b, h, len(blocks), n, d)[:, :, real]

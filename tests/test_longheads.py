@@ -72,14 +72,42 @@ def test_matches_dense_reference_beyond_window(keep_previous):
     torch.testing.assert_close(out, reference(q_raw, k_raw, v, l, k_chunks, keep_previous), atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("keep_previous", [False, True])
+@pytest.mark.parametrize("l, budget, rows", [(4, None, 4), (5, 13000, 3)])
+def test_attend_call_rows_and_small_steps_match_reference(keep_previous, l, budget, rows, monkeypatch):
+    """The vectorised attention against the per-query reference for a call's last Nq rows
+    (chunked prefill, decoding), without GQA, in one step and in many steps whose blocks
+    split chunks into 3-row pieces (causal offsets inside the own chunk, padding rows)."""
+    from attn_patterns import longheads
+
+    if budget:
+        monkeypatch.setattr(longheads, "_BLOCK_ELEMENTS", budget)
+    k_chunks, n = 4, 37
+    assert longheads._plan(0, n, l, k_chunks, 8, 16)[0] == rows
+    q_raw, k_raw, v = _qkv(n, hkv=4, seed=7)
+    pos = torch.arange(n)
+    q, k = _rot(q_raw, pos), _rot(k_raw, pos)
+    whole = n // l * l
+    reps = longheads.chunk_representations(q[:, :, :whole], k[:, :, :whole], v[:, :, :whole], l, 0, INV_FREQ)
+    expected = reference(q_raw, k_raw, v, l, k_chunks, keep_previous)
+    for nq in (n, 13, 1):
+        out = longheads.attend(q[:, :, n - nq :], k, v, reps, l, k_chunks, INV_FREQ, 0.25, keep_previous)
+        torch.testing.assert_close(out, expected[:, :, n - nq :], atol=2e-5, rtol=1e-4)
+
+
 def test_selection_is_per_head_and_keeps_first_and_previous():
     from attn_patterns.longheads import select_chunks
 
+    def ids(mask):
+        return [row.nonzero().flatten().tolist() for row in mask]
+
     scores = torch.tensor([[0.0, 5.0, 1.0, 4.0, 3.0, -1.0], [0.0, 1.0, 5.0, 2.0, 4.0, -1.0]])  # 2 heads, m = 6
-    assert select_chunks(scores, 6, 4).tolist() == [[0, 1, 3], [0, 2, 4]]
-    assert select_chunks(scores, 6, 4, keep_previous=True).tolist() == [[0, 1, 5], [0, 2, 5]]
-    assert select_chunks(scores, 2, 4).tolist() == [[0, 1], [0, 1]]  # fewer chunks than k: all
-    assert select_chunks(scores, 0, 4).shape == (2, 0)
+    assert ids(select_chunks(scores, 6, 4)) == [[0, 1, 3], [0, 2, 4]]
+    assert ids(select_chunks(scores, 6, 4, keep_previous=True)) == [[0, 1, 5], [0, 2, 5]]
+    assert ids(select_chunks(scores, 2, 4)) == [[0, 1], [0, 1]]  # fewer chunks than k: all
+    assert ids(select_chunks(scores, 0, 4)) == [[], []]
+    # one call for rows of different chunks (m per row), as attend selects a whole step
+    assert ids(select_chunks(scores, torch.tensor([6, 3]), 4, keep_previous=True)) == [[0, 1, 5], [0, 1, 2]]
 
 
 def test_equals_causal_attention_within_window():
