@@ -227,11 +227,12 @@ class Runner:
         from sparse_ft.evaluation import loading
 
         name, params = free_methods()[label]
-        key = _row_key("training-free", {"method": [name, params], "base": self.cfg.base, **self._eval_settings()})
+        method = methods.get(name, **params)
+        # keyed on every parameter, defaults included: a changed default is a new row, not a stale one
+        key = _row_key("training-free", {"method": repr(method), "base": self.cfg.base, **self._eval_settings()})
         if (row := self._cached(label, key)) is not None:
             return row
         began = time.perf_counter()
-        method = methods.get(name, **params)
         model, tokenizer = loading.load(self.cfg.base)
         lengths = [self.context * f for f in self.cfg.free_factors]
         result = evaluate(model, tokenizer, method, val, self.context, lengths, lengths, self.cfg)

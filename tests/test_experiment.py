@@ -71,3 +71,18 @@ def test_quick_flag_and_bad_names(experiment, tmp_path):
         ExperimentConfig(base=cfg.base, patterns=["s3"]).validate()
     with pytest.raises(FileNotFoundError, match="--base"):
         ExperimentConfig(base=str(tmp_path / "none")).validate()
+
+
+def test_a_changed_method_default_is_a_new_row(experiment, monkeypatch):
+    """Rows are keyed on every parameter of the method, defaults included: when a default
+    changes (LongHeads' keep_previous did), the old row is not reused."""
+    cfg, _ = experiment
+    rows = Path(cfg.output) / "rows"
+    before = (rows / "dca_intra.json").stat().st_mtime_ns
+    import attn_patterns.dca
+
+    defaults = attn_patterns.dca.DualChunkAttention.__init__.__defaults__
+    changed = tuple("chunkllama" if d == "paper" else d for d in defaults)
+    monkeypatch.setattr(attn_patterns.dca.DualChunkAttention.__init__, "__defaults__", changed)
+    Runner(ExperimentConfig(**{**cfg.__dict__, "patterns": [], "free_methods": ["dca_intra"]})).run()
+    assert (rows / "dca_intra.json").stat().st_mtime_ns != before
