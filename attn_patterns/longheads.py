@@ -282,12 +282,14 @@ def _step(q, q_raw, reps, gather, groups, blocks, n, start, l, k_chunks, inv_fre
     lengths = member.sum(-1).flatten()  # entries per segment (batch, head, block)
     shift = chosen.sum(-1, keepdim=True) - chosen.cumsum(-1) + 1  # R - r for the chunk in slot r
     chosen, shift = (x.permute(0, 1, 2, 4, 3)[eb, eh, eg, ec] for x in (chosen, shift))  # (E,n)
-    flat = ((((eb * h + eh) * len(blocks) + eg)[:, None] * n + offsets) * k_chunks + shift).flatten()  # always in 1..R
+    segment = (eb * h + eh) * len(blocks) + eg
+    flat = ((segment[:, None] * n + offsets) * k_chunks + shift).flatten()  # always in 1..R
     qe = queries.reshape(-1, d).index_select(0, flat).view(-1, 1, n, d)  # (E,1,n,D)
     out, lse = attend_lse(qe, *gather(eb, eh // groups, ec), scale, None, backend, l)
     lse = lse[:, 0].float().masked_fill_(~chosen, float("-inf"))  # a row keeps only the chunks it chose
     top_lse = torch.maximum(torch.segment_reduce(lse, "max", lengths=lengths), own_lse)
-    w, w_own = (lse - top_lse.repeat_interleave(lengths, dim=0)).exp_(), (own_lse - top_lse).exp_()
-    total = torch.segment_reduce(w, "sum", lengths=lengths) + w_own
-    mixed = torch.segment_reduce(out[:, 0].float().mul_(w[..., None]), "sum", lengths=lengths) + own_out * w_own[..., None]
+    w, w_own = (lse - top_lse.index_select(0, segment)).exp_(), (own_lse - top_lse).exp_()
+    # sums over a segment's entries: index_add_ runs several times faster than segment_reduce
+    total = w_own.index_add(0, segment, w)
+    mixed = (own_out * w_own[..., None]).index_add_(0, segment, out[:, 0].float().mul_(w[..., None]))
     return (mixed / total[..., None]).view(b, h, len(blocks), n, d)[:, :, real]
