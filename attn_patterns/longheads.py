@@ -262,14 +262,17 @@ def _step(q, q_raw, reps, gather, groups, blocks, n, start, l, k_chunks, inv_fre
     block_rows = lambda x: x.index_select(2, rows).view(b, h, len(blocks), n, d)  # noqa: E731
     scores = torch.einsum("bhgid,bhcd->bhgic", block_rows(q_raw), reps[:, :, :top].float())
     chosen = select_chunks(scores, m[:, None], k_chunks, keep_previous)  # (B,H,G,n,top)
-    queries = rerotate(  # (B,H,G,n,k,D): the query re-positioned for each of the k possible shifts
-        block_rows(q).unsqueeze(-2).expand(-1, -1, -1, -1, k_chunks, -1),
-        (torch.arange(k_chunks, device=dev) - m[:, None, None]) * l, inv_freq,
-    )
+    # (G,B,H,n,k,D): the query re-positioned for each of the k possible shifts. A rotation is
+    # linear, so one batched matmul per block applies its k rotations (rotated identities)
+    shifts = (torch.arange(k_chunks, device=dev) - m[:, None]) * l  # (G,k)
+    table = rerotate(torch.eye(d, device=dev).expand(len(blocks), k_chunks, d, d), shifts[..., None], inv_freq)
+    queries = torch.bmm(
+        block_rows(q).float().permute(2, 0, 1, 3, 4).reshape(len(blocks), -1, d), table.transpose(1, 2).reshape(len(blocks), d, -1)
+    ).to(q.dtype).view(len(blocks), b, h, n, k_chunks, d)
     # own chunk: shift 0, causal from the block's first row on; one call per sub-block offset
     segments = torch.arange(b * h * len(blocks), device=dev)
     sb, sh, sg = segments // (h * len(blocks)), segments // len(blocks) % h, segments % len(blocks)
-    own_q = queries[..., 0, :].reshape(-1, 1, n, d)
+    own_q = queries[..., 0, :].permute(1, 2, 0, 3, 4).reshape(-1, 1, n, d)
     own_out, own_lse = (own_q.new_empty(len(segments), n, *dims, dtype=torch.float32) for dims in ((d,), ()))
     for a in sorted({blk[1] for blk in blocks}):
         idx = (sub[sg] == a).nonzero().squeeze(-1)
@@ -283,7 +286,7 @@ def _step(q, q_raw, reps, gather, groups, blocks, n, start, l, k_chunks, inv_fre
     shift = chosen.sum(-1, keepdim=True) - chosen.cumsum(-1) + 1  # R - r for the chunk in slot r
     chosen, shift = (x.permute(0, 1, 2, 4, 3)[eb, eh, eg, ec] for x in (chosen, shift))  # (E,n)
     segment = (eb * h + eh) * len(blocks) + eg
-    flat = ((segment[:, None] * n + offsets) * k_chunks + shift).flatten()  # always in 1..R
+    flat = ((((eg * b + eb) * h + eh)[:, None] * n + offsets) * k_chunks + shift).flatten()  # always in 1..R
     qe = queries.reshape(-1, d).index_select(0, flat).view(-1, 1, n, d)  # (E,1,n,D)
     out, lse = attend_lse(qe, *gather(eb, eh // groups, ec), scale, None, backend, l)
     lse = lse[:, 0].float().masked_fill_(~chosen, float("-inf"))  # a row keeps only the chunks it chose
