@@ -262,14 +262,17 @@ def _step(q, q_raw, reps, gather, groups, blocks, n, start, l, k_chunks, inv_fre
     block_rows = lambda x: x.index_select(2, rows).view(b, h, len(blocks), n, d)  # noqa: E731
     scores = torch.einsum("bhgid,bhcd->bhgic", block_rows(q_raw), reps[:, :, :top].float())
     chosen = select_chunks(scores, m[:, None], k_chunks, keep_previous)  # (B,H,G,n,top)
-    queries = rerotate(  # (B,H,G,n,k,D): the query re-positioned for each of the k possible shifts
-        block_rows(q).unsqueeze(-2).expand(-1, -1, -1, -1, k_chunks, -1),
-        (torch.arange(k_chunks, device=dev) - m[:, None, None]) * l, inv_freq,
-    )
+    # (G,B,H,n,k,D): the query re-positioned for each of the k possible shifts. A rotation is
+    # linear, so one batched matmul per block applies its k rotations (rotated identities)
+    shifts = (torch.arange(k_chunks, device=dev) - m[:, None]) * l  # (G,k)
+    table = rerotate(torch.eye(d, device=dev).expand(len(blocks), k_chunks, d, d), shifts[..., None], inv_freq)
+    queries = torch.bmm(
+        block_rows(q).float().permute(2, 0, 1, 3, 4).reshape(len(blocks), -1, d), table.transpose(1, 2).reshape(len(blocks), d, -1)
+    ).to(q.dtype).view(len(blocks), b, h, n, k_chunks, d)
     # own chunk: shift 0, causal from the block's first row on; one call per sub-block offset
     segments = torch.arange(b * h * len(blocks), device=dev)
     sb, sh, sg = segments // (h * len(blocks)), segments // len(blocks) % h, segments % len(blocks)
-    own_q = queries[..., 0, :].reshape(-1, 1, n, d)
+    own_q = queries[..., 0, :].permute(1, 2, 0, 3, 4).reshape(-1, 1, n, d)
     own_out, own_lse = (own_q.new_empty(len(segments), n, *dims, dtype=torch.float32) for dims in ((d,), ()))
     for a in sorted({blk[1] for blk in blocks}):
         idx = (sub[sg] == a).nonzero().squeeze(-1)
@@ -282,12 +285,14 @@ def _step(q, q_raw, reps, gather, groups, blocks, n, start, l, k_chunks, inv_fre
     lengths = member.sum(-1).flatten()  # entries per segment (batch, head, block)
     shift = chosen.sum(-1, keepdim=True) - chosen.cumsum(-1) + 1  # R - r for the chunk in slot r
     chosen, shift = (x.permute(0, 1, 2, 4, 3)[eb, eh, eg, ec] for x in (chosen, shift))  # (E,n)
-    flat = ((((eb * h + eh) * len(blocks) + eg)[:, None] * n + offsets) * k_chunks + shift).flatten()  # always in 1..R
+    segment = (eb * h + eh) * len(blocks) + eg
+    flat = ((((eg * b + eb) * h + eh)[:, None] * n + offsets) * k_chunks + shift).flatten()  # always in 1..R
     qe = queries.reshape(-1, d).index_select(0, flat).view(-1, 1, n, d)  # (E,1,n,D)
     out, lse = attend_lse(qe, *gather(eb, eh // groups, ec), scale, None, backend, l)
     lse = lse[:, 0].float().masked_fill_(~chosen, float("-inf"))  # a row keeps only the chunks it chose
     top_lse = torch.maximum(torch.segment_reduce(lse, "max", lengths=lengths), own_lse)
-    w, w_own = (lse - top_lse.repeat_interleave(lengths, dim=0)).exp_(), (own_lse - top_lse).exp_()
-    total = torch.segment_reduce(w, "sum", lengths=lengths) + w_own
-    mixed = torch.segment_reduce(out[:, 0].float().mul_(w[..., None]), "sum", lengths=lengths) + own_out * w_own[..., None]
+    w, w_own = (lse - top_lse.index_select(0, segment)).exp_(), (own_lse - top_lse).exp_()
+    # sums over a segment's entries: index_add_ runs several times faster than segment_reduce
+    total = w_own.index_add(0, segment, w)
+    mixed = (own_out * w_own[..., None]).index_add_(0, segment, out[:, 0].float().mul_(w[..., None]))
     return (mixed / total[..., None]).view(b, h, len(blocks), n, d)[:, :, real]
