@@ -77,14 +77,18 @@ class DualChunk(PatternBacked):
     def __init__(self, **params: Any) -> None:
         super().__init__(**params)
         self.given = params
+        self._for: tuple[Optional[dict], DualChunkAttention] = (None, self.pattern)  # the last DCA config's pattern
 
     def pattern_for(self, config: Any) -> DualChunkAttention:
         """The pattern a model with ``config`` runs: the model's own DCA configuration under
-        the user's parameters when it has one and no other variant was asked for."""
+        the user's parameters when it has one and no other variant was asked for. The last
+        one is kept, since every layer's every call asks."""
         dca_config = model_dca_config(config)
         if dca_config is None or self.given.get("variant", "qwen") != "qwen":
             return self.pattern
-        return DualChunkAttention(**(params_from_config(dca_config) | self.given))
+        if self._for[0] != dca_config:
+            self._for = (dca_config, DualChunkAttention(**(params_from_config(dca_config) | self.given)))
+        return self._for[1]
 
     def describe(self, config: Any) -> str:
         p = self.pattern_for(config)

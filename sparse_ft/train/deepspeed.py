@@ -85,8 +85,12 @@ class DeepSpeedEngine(Engine):
     def module(self) -> torch.nn.Module:
         return self.engine.module
 
+    def loss(self, batch: dict) -> torch.Tensor:
+        """The loss this rank back-propagates (sequence parallelism reduces it over its group)."""
+        return self.engine(**batch).loss
+
     def micro_step(self, batch: dict) -> float:
-        loss = self.engine(**batch).loss
+        loss = self.loss(batch)
         self.engine.backward(loss)
         self.engine.step()  # DeepSpeed steps the optimizer itself at accumulation boundaries
         return loss.item()

@@ -79,7 +79,7 @@ class UlyssesEngine(DeepSpeedEngine):
         self.mpu = mpu
         super().__init__(model, recipe, total_steps, ds_config)
 
-    def micro_step(self, batch: dict) -> float:
+    def loss(self, batch: dict) -> torch.Tensor:
         """The group's token mean as DeepSpeed and HF document it: each rank's token mean
         weighted by its tokens, gathered with gradient (torch.distributed.nn), so every rank
         back-propagates the whole group loss. DeepSpeed's gradient reduction expects that:
@@ -92,7 +92,4 @@ class UlyssesEngine(DeepSpeedEngine):
         group = self.mpu.get_sequence_parallel_group()
         tokens = torch.stack(all_gather((labels != -100).sum(), group=group))
         losses = torch.stack(all_gather(loss, group=group))
-        loss = torch.where(tokens > 0, losses, 0.0).mul(tokens).sum() / tokens.sum().clamp(min=1)
-        self.engine.backward(loss)
-        self.engine.step()
-        return loss.item()
+        return torch.where(tokens > 0, losses, 0.0).mul(tokens).sum() / tokens.sum().clamp(min=1)
