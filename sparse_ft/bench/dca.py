@@ -22,7 +22,6 @@ from attn_patterns.rotary import default_inv_freq, rotate
 from sparse_ft.bench.machine import DTYPES, cell, interleaved
 
 
-
 def _flash_only(device: torch.device):
     if device.type != "cuda":
         return nullcontext()

@@ -22,7 +22,6 @@ from sparse_ft.config import LoraSection
 from sparse_ft.train.model_setup import add_adapters
 
 
-
 @dataclass
 class StepRow:
     pattern: str
@@ -45,6 +44,7 @@ def trained_methods(patterns: Iterable[str], backend: Optional[str], dtype: str)
         if name != "full":
             chosen[name] = methods.for_training(name, {}, backend, DTYPE_NAMES[dtype])[0]
     return chosen
+
 
 def run(lengths: Iterable[int], patterns: Iterable[str], device: str = "cpu", dtype: str = "fp32",
         warmup: int = 1, repeats: int = 3, model: str = "tiny", gradient_checkpointing: bool = False,
