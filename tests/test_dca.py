@@ -429,7 +429,6 @@ def test_packed_positions_are_refused():
         _logits(model, torch.randint(3, 300, (1, 20)), position_ids=packed)
 
 
-
 # --- a model that ships DCA: Qwen's dual_chunk_attention_config -------------------------------
 
 
