@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from sparse_ft.bench import cli as bench_cli
 from sparse_ft.bench import machine, models, train_step
@@ -155,7 +156,14 @@ def test_bench_eval_nf4_against_unquantised(tmp_path):
     (row,) = json.loads(out.read_text())["results"]
     assert row["seq_len"] == 64 and row["unquantised_tokens_per_s"] > 0 and row["nf4_tokens_per_s"] > 0
     assert abs(row["nf4_ratio"] - row["nf4_tokens_per_s"] / row["unquantised_tokens_per_s"]) < 1e-9
-    assert row["nf4_weights_mib"] < row["unquantised_weights_mib"] / 2  # the linear layers are 4-bit
+    # every linear layer not listed as kept is 4-bit: 1/8 of its fp32 bytes and small quantisation statistics
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(models.config("tiny", 64))
+    kept = row["nf4_unquantised_layers"]
+    assert "lm_head" in kept and all(name in dict(model.named_modules()) for name in kept)
+    quantised = sum(m.weight.numel() * 4 for name, m in model.named_modules()
+                    if isinstance(m, torch.nn.Linear) and name not in kept) / 2**20
+    assert quantised > 0 and row["nf4_weights_mib"] < row["unquantised_weights_mib"] - 0.8 * quantised
     assert abs(row["nf4_ppl"] / row["unquantised_ppl"] - 1) < 0.05  # the same model, quantised
 
 

@@ -150,23 +150,29 @@ def test_methods_registry_and_rope_baselines():
         methods.get("scca_flow", bogus=3)
 
 
-def test_quantised_ppl_is_close_to_fp32(tmp_path):
+# widths all multiples of 32 (every linear layer quantises everywhere), and deliberately not (k/v
+# 16, MLP 344: bitsandbytes 0.50's AVX512-BF16 CPU kernel packs neither as output nor as input width)
+SHAPES = {"aligned": dict(num_key_value_heads=4), "odd": dict(intermediate_size=344)}
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_quantised_ppl_is_close_to_fp32(tmp_path, shape):
     """NF4 (and 8-bit) on bitsandbytes' CPU backend (tests/test_gpu.py: its CUDA one)."""
-    check_quantised_ppl(tmp_path, "cpu")
+    check_quantised_ppl(tmp_path, "cpu", shape)
 
 
-def check_quantised_ppl(tmp_path, device: str):
+def check_quantised_ppl(tmp_path, device: str, shape: str):
     """NF4 (and 8-bit) on ``device``, on a tiny model trained until its PPL is far from uniform
-    (a random model's PPL ~ vocabulary size hides broken weights)."""
+    (a random model's PPL ~ vocabulary size hides broken weights). Every linear layer is NF4
+    but the output head and, for odd widths, those bitsandbytes refuses on ``device``."""
     import bitsandbytes as bnb
 
     from sparse_ft.evaluation import loading
+    from sparse_ft.quantization import unquantised_layers
 
     text = b"The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. "
     tokens = np.frombuffer(text * 8, dtype=np.uint8).astype(np.int64) + 3  # ByT5 ids: byte + 3
-    # every projection's output a multiple of 32: on CPUs with AVX512-BF16, bitsandbytes repacks
-    # NF4 weights in blocks of 32 rows for inference (k/v of the default tiny model have 16)
-    model, ids = tiny_llama(num_key_value_heads=4).to(device).train(), torch.from_numpy(tokens[:128])[None].to(device)
+    model, ids = tiny_llama(**SHAPES[shape]).to(device).train(), torch.from_numpy(tokens[:128])[None].to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for _ in range(50):
         model(ids, labels=ids).loss.backward()
@@ -179,12 +185,44 @@ def check_quantised_ppl(tmp_path, device: str):
         loaded, _ = loading.load(str(tmp_path / "m"), device=device, **({} if flag == "fp32" else {flag: True}))
         results[flag] = ppl.evaluate_length(loaded, tokens, 128, 64, "standard", methods.get("full"))["ppl"]
         if flag == "load_in_4bit":  # NF4 with double quantisation really ran, not an fp32 fallback
-            layers = [m for m in loaded.modules() if isinstance(m, bnb.nn.Linear4bit)]
+            kept = unquantised_layers(loaded)
+            linears = {name: m for name, m in loaded.named_modules() if isinstance(m, torch.nn.Linear)}
+            odd = {n for n, m in linears.items() if m.out_features % 32 or m.in_features % 32}
+            assert "lm_head" in kept and set(kept) <= {"lm_head"} | odd and (odd or kept == ["lm_head"])
+            layers = [m for name, m in linears.items() if name not in kept]
+            assert all(isinstance(m, bnb.nn.Linear4bit) for m in layers) and len(layers) + len(kept) == 15
             states = [m.weight.quant_state for m in layers]  # the AVX512-BF16 repacking keeps the original flag aside
-            assert len(layers) == 14 and all(s.quant_type == "nf4" and getattr(s, "original_nested", s.nested) for s in states)
+            assert all(s.quant_type == "nf4" and getattr(s, "original_nested", s.nested) for s in states)
     assert results["fp32"] < 4  # learned: uniform would be 384
     for flag in ("load_in_4bit", "load_in_8bit"):
         assert results[flag] != results["fp32"] and abs(results[flag] / results["fp32"] - 1) < 0.05, results
+
+
+def test_4bit_leaves_the_layers_bitsandbytes_refuses_and_names_them(tmp_path, capsys, monkeypatch):
+    """bitsandbytes 0.50 on an AVX512-BF16 CPU, emulated on any machine: its inference forward
+    asserts on an output width not a multiple of 32. Those layers load in the model's dtype,
+    one stderr line names them, the results JSON lists them, and the evaluation runs."""
+    import bitsandbytes as bnb
+
+    real = bnb.nn.Linear4bit.forward
+
+    def forward(self, x):
+        assert self.training or self.out_features % 32 == 0, "N must be divisible by block_n"
+        return real(self, x)
+
+    monkeypatch.setattr(bnb.nn.Linear4bit, "forward", forward)
+    data, out = tmp_path / "d.txt", tmp_path / "nf4.json"
+    data.write_text("a few words of text to score " * 40)
+    assert main(["eval", "ppl", "--model", "tiny", "--data", str(data), "--lengths", "64", "--stride", "64",
+                 "--load-in-4bit", "--output", str(out)]) == 0
+    said = [line for line in capsys.readouterr().err.splitlines() if "cannot quantise" in line]
+    assert said == ["warning: --load-in-4bit: bitsandbytes " + bnb.__version__ + " cannot quantise 4 linear layer(s) "
+                    "on cpu (N must be divisible by block_n); they stay in float32: model.layers.*.self_attn.k_proj (x2), "
+                    "model.layers.*.self_attn.v_proj (x2)"]
+    payload = json.loads(out.read_text())
+    assert payload["config"]["unquantised_layers"] == ["lm_head"] + [f"model.layers.{i}.self_attn.{p}_proj"
+                                                                    for i in (0, 1) for p in "kv"]
+    assert math.isfinite(payload["results"][0]["ppl"])
 
 
 def test_cli_end_to_end(tmp_path, capsys):

@@ -123,9 +123,13 @@ def _config(args, model) -> dict:
     import torch
     import transformers
 
+    from sparse_ft.attention import pretrained
+    from sparse_ft.quantization import unquantised_layers
+
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("func", "prog")}
-    return config | {"device": str(next(model.parameters()).device), "python": platform.python_version(),
-                     "torch": torch.__version__, "transformers": transformers.__version__}
+    quantised = {"unquantised_layers": unquantised_layers(pretrained(model))} if args.load_in_4bit or args.load_in_8bit else {}
+    return config | quantised | {"device": str(next(model.parameters()).device), "python": platform.python_version(),
+                                 "torch": torch.__version__, "transformers": transformers.__version__}
 
 
 def run_ppl(args) -> int:

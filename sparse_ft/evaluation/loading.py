@@ -1,35 +1,27 @@
 """Models for evaluation: an HF id or directory, the built-in ``tiny``, an adapter from
 train.py (its RoPE configuration restored before the weights load), and 4-/8-bit
-quantisation through transformers' ``BitsAndBytesConfig``."""
+quantisation through transformers' ``BitsAndBytesConfig``, in which the layers bitsandbytes
+cannot quantise on the device stay in the model's dtype, named on stderr (sparse_ft.quantization)."""
 
 from __future__ import annotations
 
-import warnings
+import sys
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
+from sparse_ft import quantization
 from sparse_ft.models import DTYPES, load_adapter_model, load_tokenizer, resolve_model
 
 
-def quantization(load_in_4bit: bool, load_in_8bit: bool, compute_dtype: str) -> Optional[Any]:
-    """bitsandbytes NF4 with double quantisation (the SCCA paper's 4-bit evaluation), or 8-bit.
-    bitsandbytes >= 0.48 runs both on CPU as well as CUDA."""
+def check_quantization(load_in_4bit: bool, load_in_8bit: bool, compute_dtype: str) -> Optional[int]:
+    """The bits asked for (4, 8 or None), the flags checked before anything loads."""
     if load_in_4bit and load_in_8bit:
         raise ValueError("--load-in-4bit and --load-in-8bit exclude each other")
-    if not (load_in_4bit or load_in_8bit):
-        return None
     if compute_dtype not in DTYPES:
         raise ValueError(f"--bnb-compute-dtype {compute_dtype!r} is unknown; allowed: {', '.join(DTYPES)}")
-    from transformers import BitsAndBytesConfig
-
-    if load_in_8bit:
-        # LLM.int8 computes in fp16 by design; bitsandbytes says so on every matmul
-        warnings.filterwarnings("ignore", message="MatMul8bitLt: inputs will be cast")
-        return BitsAndBytesConfig(load_in_8bit=True)
-    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                              bnb_4bit_compute_dtype=DTYPES[compute_dtype])
+    return 4 if load_in_4bit else 8 if load_in_8bit else None
 
 
 def default_device() -> str:
@@ -52,18 +44,19 @@ def load(model: str, adapter: Optional[str] = None, dtype: str = "float32", load
         raise FileNotFoundError(f"--model {model}: no such directory")
     if adapter is not None and not Path(adapter).is_dir():
         raise FileNotFoundError(f"--adapter {adapter}: no such directory")
+    bits = check_quantization(load_in_4bit, load_in_8bit, compute_dtype)
     tok = _tokenizer(model, adapter, path, trust_remote_code) if tokenizer else None
-    kwargs: dict[str, Any] = {"dtype": DTYPES[dtype], "trust_remote_code": trust_remote_code,
-                              "device_map": device or default_device()}
-    quant = quantization(load_in_4bit, load_in_8bit, compute_dtype)
-    if quant is not None:
-        kwargs["quantization_config"] = quant
+    device = device or default_device()
+    kwargs: dict[str, Any] = {"dtype": DTYPES[dtype], "trust_remote_code": trust_remote_code, "device_map": device}
     try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        if bits is not None:  # layer shapes do not depend on an adapter's RoPE: the base's config serves
+            kwargs["quantization_config"] = _quantization(config, bits, device, DTYPES[dtype], DTYPES[compute_dtype],
+                                                          trust_remote_code)
         if adapter is not None:
             # the adapter's RoPE goes into the config before the weights load; a foreign base fails by shape
             loaded = load_adapter_model(adapter, path, **kwargs)
         else:
-            config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
             loaded = AutoModelForCausalLM.from_pretrained(path, config=config, **kwargs)
     except OSError as err:  # hub / missing-file errors from transformers and peft
         raise ValueError(f"cannot load --model {model}{f' --adapter {adapter}' if adapter else ''}: {_first_line(err)}") from None
@@ -73,6 +66,14 @@ def load(model: str, adapter: Optional[str] = None, dtype: str = "float32", load
         detail = next(line.strip() for line in str(err).splitlines() if "size mismatch" in line)
         raise ValueError(f"--adapter {adapter} does not fit --model {model} (trained on another base?): {detail}") from None
     return loaded.eval(), tok
+
+
+def _quantization(config: Any, bits: int, device: str, dtype: torch.dtype, compute_dtype: torch.dtype,
+                  trust_remote_code: bool) -> Any:
+    plan, refused = quantization.plan(config, bits, device, dtype, compute_dtype, trust_remote_code)
+    if refused:
+        print(quantization.describe(refused, bits, device, dtype), file=sys.stderr, flush=True)
+    return plan
 
 
 def _tokenizer(model: str, adapter: Optional[str], path: str, trust_remote_code: bool):
