@@ -373,3 +373,14 @@ def test_prepare_eval_and_adapter_evaluation(tmp_path, capsys, monkeypatch):
     assert main(["eval", "ppl", "--model", str(other), "--adapter", str(run / "adapter"), "--data", str(tmp_path / "book.bin"),
                  "--lengths", "64"]) == 2
     assert "was trained on a base with hidden_size=64, but" in capsys.readouterr().err
+
+
+def test_a_device_that_is_not_here_fails_before_loading(tmp_path, capsys, monkeypatch):
+    data = tmp_path / "d.txt"
+    data.write_text("text " * 100)
+    args = ["eval", "ppl", "--model", "tiny", "--data", str(data), "--lengths", "64", "--load-in-4bit", "--device"]
+    assert main(args + ["cdua"]) == 2
+    assert "--device 'cdua' is not a device" in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(args + ["cuda:0"]) == 2
+    assert "--device 'cuda:0': torch sees no CUDA device here" in capsys.readouterr().err

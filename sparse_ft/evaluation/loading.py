@@ -46,7 +46,7 @@ def load(model: str, adapter: Optional[str] = None, dtype: str = "float32", load
         raise FileNotFoundError(f"--adapter {adapter}: no such directory")
     bits = check_quantization(load_in_4bit, load_in_8bit, compute_dtype)
     tok = _tokenizer(model, adapter, path, trust_remote_code) if tokenizer else None
-    device = device or default_device()
+    device = _check_device(device or default_device())
     kwargs: dict[str, Any] = {"dtype": DTYPES[dtype], "trust_remote_code": trust_remote_code, "device_map": device}
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -70,10 +70,26 @@ def load(model: str, adapter: Optional[str] = None, dtype: str = "float32", load
 
 def _quantization(config: Any, bits: int, device: str, dtype: torch.dtype, compute_dtype: torch.dtype,
                   trust_remote_code: bool) -> Any:
+    """The probe runs where the weights will go: ``auto`` places them on the GPU when there is one."""
+    device = default_device() if device == "auto" else device
     plan, refused = quantization.plan(config, bits, device, dtype, compute_dtype, trust_remote_code)
     if refused:
         print(quantization.describe(refused, bits, device, dtype), file=sys.stderr, flush=True)
     return plan
+
+
+def _check_device(device: str) -> str:
+    """A device that does not exist here fails in one line, before the weights load (and before
+    the 4-bit probe, where it would read as every layer refused)."""
+    if device == "auto":
+        return device
+    try:
+        parsed = torch.device(device)
+    except RuntimeError as err:
+        raise ValueError(f"--device {device!r} is not a device ({_first_line(err)}); e.g. cpu, cuda, cuda:0, auto") from None
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device!r}: torch sees no CUDA device here; use cpu (or omit --device)")
+    return device
 
 
 def _tokenizer(model: str, adapter: Optional[str], path: str, trust_remote_code: bool):
