@@ -28,8 +28,8 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 def merge(adapter: str, output: Path, base: Optional[str] = None, dtype: str = "float32", trust_remote_code: bool = False,
           overwrite: bool = False) -> Path:
-    from sparse_ft.models import (DTYPES, adapter_base, atomic_directory, check_apart, check_output_dir,
-                                  load_adapter_model, load_tokenizer, read_meta)
+    from sparse_ft.models import DTYPES, adapter_base, load_adapter_model, load_tokenizer, read_meta
+    from sparse_ft.outputs import atomic_directory, check_apart, check_output_dir
 
     output = Path(output)
     base = base or adapter_base(adapter, read_meta(adapter))

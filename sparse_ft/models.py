@@ -15,13 +15,13 @@ import json
 import os
 import shutil
 import tempfile
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 
 from sparse_ft import rope
+from sparse_ft.outputs import atomic_directory
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 META_FILE = "sparse_ft.json"
@@ -37,86 +37,6 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
-
-
-OUTPUT_MARKER = ".sparse-ft-output"  # in every directory sparse-ft writes, naming the command
-
-
-def check_parent_writable(path: Path, flag: str) -> None:
-    """Fail before the work, not after it: ``path``'s directory (created if missing) takes a
-    new file."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path.parent):
-            pass
-    except OSError as err:
-        raise ValueError(f"{flag} {path}: cannot write in {path.parent} ({err.strerror or err})") from None
-
-
-def check_output_dir(directory: Path, overwrite: bool = False, flag: str = "--output") -> None:
-    """Refuse, before any work, to write where something would be lost or cannot be written:
-    a file, a non-empty directory sparse-ft did not write (no ``OUTPUT_MARKER``), one it did
-    write unless ``overwrite``, a read-only place. Nothing but a directory this toolkit wrote
-    is ever replaced."""
-    check_parent_writable(directory, flag)
-    if not directory.exists():
-        return
-    if not directory.is_dir():
-        raise ValueError(f"{flag} {directory} is a file, not a directory")
-    if not any(directory.iterdir()):
-        return
-    marker = directory / OUTPUT_MARKER
-    if not marker.is_file():
-        raise ValueError(f"{flag} {directory} is not empty and was not written by sparse-ft (no {OUTPUT_MARKER}); "
-                         "name a new or empty directory")
-    if not overwrite:
-        raise ValueError(f"{flag} {directory} holds the output of `{marker.read_text().strip()}`; "
-                         "pass --overwrite to replace it")
-
-
-def check_apart(output: Path, flag: str, inputs: dict[str, Optional[str | os.PathLike]]) -> None:
-    """Refuse an output directory that is, contains or lies inside a local input (``{flag:
-    path}``): writing it would replace or mix with what the command reads."""
-    out = Path(output).resolve()
-    for name, value in inputs.items():
-        if value is None or not Path(value).exists():
-            continue
-        source = Path(value).resolve()
-        if out == source or source in out.parents or out in source.parents:
-            raise ValueError(f"{flag} {output} overlaps {name} {value}; write the output outside it")
-
-
-def _clear(path: Path, flag: str) -> None:
-    """A sibling a crashed write left behind; only what sparse-ft wrote is removed."""
-    check_output_dir(path, True, flag)
-    shutil.rmtree(path, ignore_errors=True)
-
-
-@contextmanager
-def atomic_directory(directory: Path, writer: str = "sparse-ft", overwrite: bool = True,
-                     flag: str = "output directory") -> Iterator[Path]:
-    """A temporary sibling of ``directory`` to write into, renamed onto it when the block ends:
-    a crash midway leaves the previous directory (or none), never half of one. The result
-    carries ``OUTPUT_MARKER`` naming ``writer``; what is already there is replaced only when
-    ``check_output_dir`` allows it (checked again just before the rename)."""
-    directory = Path(directory)
-    check_output_dir(directory, overwrite, flag)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp, old = directory.with_name(directory.name + ".tmp"), directory.with_name(directory.name + ".old")
-    _clear(tmp, flag)
-    tmp.mkdir()
-    (tmp / OUTPUT_MARKER).write_text(writer + "\n")
-    try:
-        yield tmp
-        check_output_dir(directory, overwrite, flag)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    _clear(old, flag)
-    if directory.exists():
-        os.replace(directory, old)
-    os.replace(tmp, directory)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def materialize_tiny(directory: Path, seed: int, **overrides: Any) -> Path:

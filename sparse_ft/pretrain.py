@@ -175,7 +175,8 @@ def machine() -> dict:
 
 def save(model, tokenizer, stats: dict, output: Path, save_dtype: str, overwrite: bool = False) -> Path:
     """Written to a temporary directory and renamed: an interrupted save leaves the old one."""
-    from sparse_ft.models import DTYPES, atomic_directory
+    from sparse_ft.models import DTYPES
+    from sparse_ft.outputs import atomic_directory
 
     with atomic_directory(Path(output), "sparse-ft pretrain", overwrite, "--output") as tmp:
         model.to(DTYPES[save_dtype]).save_pretrained(tmp, safe_serialization=True)
@@ -192,7 +193,7 @@ def pretrain(cfg: PretrainConfig, corpus: Path = CORPUS_DIR, output: Path = ASSE
     apart from the inputs, and an earlier output of this command only with ``overwrite``."""
     from sparse_ft.data.corpus import PASSKEY_FRACTION, build_corpus, load_blocks
     from sparse_ft.evaluation.tokens import load_tokens
-    from sparse_ft.models import check_apart, check_output_dir
+    from sparse_ft.outputs import check_apart, check_output_dir
     from sparse_ft.tiny import tiny_tokenizer
 
     corpus, output = Path(corpus), Path(output)

@@ -107,7 +107,7 @@ def _kill_during_save(point: str, gate: Path) -> None:
             time.sleep(0.01)
         os.kill(os.getpid(), signal.SIGKILL)
 
-    write_bytes, fsync_dir = checkpoint._write_bytes, checkpoint._fsync_dir
+    write_bytes, fsync_dir = checkpoint.write_synced, checkpoint.fsync_dir
 
     def half_write(path: Path, data: bytes) -> None:
         if str(path).endswith(point):
@@ -120,7 +120,7 @@ def _kill_during_save(point: str, gate: Path) -> None:
         if (path / point).is_dir():
             die()
 
-    checkpoint._write_bytes, checkpoint._fsync_dir = half_write, fsync_then_die
+    checkpoint.write_synced, checkpoint.fsync_dir = half_write, fsync_then_die
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -14,7 +14,8 @@ import pytest
 
 from sparse_ft import __version__
 from sparse_ft.cli import HelpFormatter, build_parser, main
-from sparse_ft.models import OUTPUT_MARKER, adapter_base, atomic_directory
+from sparse_ft.models import adapter_base
+from sparse_ft.outputs import OUTPUT_MARKER, atomic_directory
 
 ROOT = Path(__file__).resolve().parent.parent
 

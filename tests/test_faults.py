@@ -19,7 +19,8 @@ from helpers_train import (common, curve, losses, one_thread, reference, snapsho
 from sparse_ft.config import load_recipe
 from sparse_ft.train import checkpoint
 from sparse_ft.train.checkpoint import complete_checkpoints, verify
-from sparse_ft.train.rundir import LOCK, RunLock, claim_checkpoints
+from sparse_ft.outputs import RUN_LOCK as LOCK, RunLock
+from sparse_ft.train.checkpoint import claim_checkpoints
 from sparse_ft.train.trainer import train
 
 
@@ -117,7 +118,7 @@ def test_no_usable_checkpoint_is_a_clear_error(tmp_path, common, reference, caps
 @pytest.mark.slow
 def test_a_full_disk_fails_the_save_clearly_and_the_relaunch_resumes_exactly(tmp_path, common, reference, monkeypatch, capsys):
     out = tmp_path / "run"
-    write_bytes = checkpoint._write_bytes
+    write_bytes = checkpoint.write_synced
 
     def disk_full_in_checkpoint_6(path: Path, data: bytes) -> None:
         if path.parent.name == "checkpoint-6.tmp" and path.name == "optimizer.safetensors":
@@ -126,7 +127,7 @@ def test_a_full_disk_fails_the_save_clearly_and_the_relaunch_resumes_exactly(tmp
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
         write_bytes(path, data)
 
-    monkeypatch.setattr(checkpoint, "_write_bytes", disk_full_in_checkpoint_6)
+    monkeypatch.setattr(checkpoint, "write_synced", disk_full_in_checkpoint_6)
     assert train_py(*run_in(out, common)) == 1
     line = one_error_line(capsys.readouterr().err)
     assert f"could not write {out / 'checkpoint-6'}: No space left on device" in line

@@ -62,14 +62,14 @@ def test_killed_run_resumes_with_the_uninterrupted_loss_curve(tmp_path, common, 
 @pytest.mark.slow
 def test_crash_mid_save_resumes_from_the_last_complete_checkpoint(tmp_path, common, reference, monkeypatch):
     out = tmp_path / "crashed"
-    real_write = checkpoint._write_bytes
+    real_write = checkpoint.write_synced
 
     def crash_in_save_6(path, data):
         if path.parent.name.startswith("checkpoint-6") and path.name == "optimizer.safetensors":
             raise SimulatedCrash("while writing checkpoint-6")
         real_write(path, data)
 
-    monkeypatch.setattr(checkpoint, "_write_bytes", crash_in_save_6)
+    monkeypatch.setattr(checkpoint, "write_synced", crash_in_save_6)
     with pytest.raises(SimulatedCrash):
         train(load_recipe("tiny", [*common, f"train.output_dir={out}"]))
     monkeypatch.undo()

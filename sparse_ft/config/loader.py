@@ -25,6 +25,7 @@ import yaml
 from sparse_ft.config.keyvalue import parse_assignments
 from sparse_ft.config.paths import RECIPE_DIRS, REPO_ROOT
 from sparse_ft.config.schema import Recipe, fail, validate
+from sparse_ft.outputs import atomic_file
 
 # keys that may name a local path, with the suffixes that make a value a file even before it exists
 PATH_KEYS = {
@@ -218,7 +219,6 @@ def save_resolved(recipe: Recipe, output_dir: str | os.PathLike) -> Path:
     """The exact configuration a run used, next to its outputs; ``recipe=<that file>`` reruns it."""
     path = Path(output_dir) / "recipe.resolved.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(format_recipe(recipe))
-    os.replace(tmp, path)
+    with atomic_file(path) as f:
+        f.write(format_recipe(recipe))
     return path

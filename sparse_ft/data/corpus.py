@@ -29,6 +29,7 @@ from tqdm import tqdm
 from sparse_ft.data.passkey_docs import passkey_document
 from sparse_ft.data.stdlib_text import iter_stdlib_documents
 from sparse_ft.data.token_files import DTYPES, dtype_for, sha256_file, write_token_file, write_tokens
+from sparse_ft.outputs import atomic_file
 
 
 # Half the blocks: with 30 % the committed base formed no copy (induction) heads in 900 steps
@@ -122,15 +123,13 @@ def write_jsonl(output_dir: Path, tokenizer, max_blocks: Optional[int] = None) -
     blocks = load_blocks(output_dir)[:max_blocks]
     (newline,) = tokenizer("\n", add_special_tokens=False)["input_ids"]
     path, kept = output_dir / "train.jsonl", 0
-    tmp = path.with_suffix(".jsonl.tmp")
-    with open(tmp, "w") as out:
+    with atomic_file(path) as out:
         for block in tqdm(blocks, desc="write train.jsonl", unit="block"):
             ids = [newline if t == tokenizer.eos_token_id else int(t) for t in block[:-1]]
             text = tokenizer.decode(ids)
             if len(tokenizer(text, add_special_tokens=False)["input_ids"]) == len(ids):
                 out.write(json.dumps({"text": text}) + "\n")
                 kept += 1
-    tmp.replace(path)
     if kept == 0:
         raise ValueError(f"no block of {output_dir / 'train.bin'} survives decoding; is it from this tokenizer?")
     return path

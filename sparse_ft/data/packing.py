@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
 from itertools import islice
 from pathlib import Path
@@ -24,6 +23,7 @@ from tqdm import tqdm
 
 from sparse_ft.data.sources import iter_texts, local_files
 from sparse_ft.data.token_files import sha256_file
+from sparse_ft.outputs import atomic_file
 
 BATCH = 64
 TOKEN_BYTES = np.dtype(np.int32).itemsize
@@ -116,11 +116,10 @@ def _write_cache(data_cfg, tokenizer, seq_len, tokens_path: Path, meta_path: Pat
     if tokenizer.eos_token_id is None:
         raise ValueError("the tokenizer has no eos_token_id; packing separates documents with EOS")
     tokens_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = tokens_path.with_suffix(f".tmp{os.getpid()}")
     kept = seen = longest = written = 0
     texts = iter_texts(data_cfg.source, data_cfg.split, data_cfg.text_column, data_cfg.streaming, trust_remote_code)
     bar = tqdm(desc=f"tokenize {data_cfg.source}", unit="doc")
-    with open(tmp, "wb") as out:
+    with atomic_file(tokens_path, "wb") as out:
         batch: list[str] = []
         for text in texts:
             batch.append(text)
@@ -136,19 +135,19 @@ def _write_cache(data_cfg, tokenizer, seq_len, tokens_path: Path, meta_path: Pat
             k, lg, w = _flush(batch, tokenizer, data_cfg.min_tokens, out)
             kept, longest, written, seen = kept + k, max(longest, lg), written + w, seen + len(batch)
             bar.update(len(batch))
-    bar.close()
-    if written < seq_len:
-        tmp.unlink()
-        raise ValueError(
-            f"data.source {data_cfg.source}: {kept} of {seen} documents have >= data.min_tokens={data_cfg.min_tokens} "
-            f"tokens (longest: {longest}), {written} tokens in all: not one sample of seq_len={seq_len}"
-        )
-    meta = {"documents": seen, "kept": kept, "tokens": written, "bytes": tmp.stat().st_size, "sha256": sha256_file(tmp),
-            "samples": written // seq_len, "seq_len": seq_len, "source": data_cfg.source, "min_tokens": data_cfg.min_tokens}
-    os.replace(tmp, tokens_path)
-    meta_tmp = meta_path.with_suffix(".json.tmp")
-    meta_tmp.write_text(json.dumps(meta, indent=2))
-    os.replace(meta_tmp, meta_path)
+        bar.close()
+        if written < seq_len:
+            raise ValueError(
+                f"data.source {data_cfg.source}: {kept} of {seen} documents have >= data.min_tokens={data_cfg.min_tokens} "
+                f"tokens (longest: {longest}), {written} tokens in all: not one sample of seq_len={seq_len}"
+            )
+        out.flush()
+        written_file = Path(out.name)
+        meta = {"documents": seen, "kept": kept, "tokens": written, "bytes": written_file.stat().st_size,
+                "sha256": sha256_file(written_file), "samples": written // seq_len, "seq_len": seq_len,
+                "source": data_cfg.source, "min_tokens": data_cfg.min_tokens}
+    with atomic_file(meta_path) as f:
+        f.write(json.dumps(meta, indent=2))
 
 
 def _flush(texts: list[str], tokenizer, min_tokens: int, out) -> tuple[int, int, int]:

@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from sparse_ft.outputs import atomic_file
+
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 
 
@@ -35,9 +37,8 @@ def sidecar(path: Path) -> dict:
 
 def write_tokens(tokens: Any, path: Path, dtype: str) -> Path:
     """The raw ids, written to a temporary file and renamed: a reader never sees half a file."""
-    tmp = path.with_suffix(".bin.tmp")
-    np.asarray(tokens, dtype=DTYPES[dtype]).tofile(tmp)
-    tmp.replace(path)
+    with atomic_file(path, "wb") as f:
+        np.asarray(tokens, dtype=DTYPES[dtype]).tofile(f)
     return path
 
 
@@ -50,7 +51,6 @@ def write_token_file(tokens: np.ndarray, path: Path, vocab_size: int, tokenizer_
     path.parent.mkdir(parents=True, exist_ok=True)
     write_tokens(tokens, path, dtype)
     meta = {"dtype": dtype, "tokens": int(len(tokens)), "tokenizer": tokenizer_name, "vocab_size": int(vocab_size)}
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(meta, indent=1))
-    tmp.replace(path.with_suffix(".json"))
+    with atomic_file(path.with_suffix(".json")) as f:
+        f.write(json.dumps(meta, indent=1))
     return path

@@ -91,7 +91,7 @@ def _method(args):
 
 def _check_outputs(args, *flags: str) -> None:
     """Every output file can be written (its folder is made), before the model loads."""
-    from sparse_ft.models import check_parent_writable
+    from sparse_ft.outputs import check_parent_writable
 
     for flag in flags:
         path = getattr(args, flag)

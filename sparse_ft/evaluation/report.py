@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from sparse_ft.outputs import atomic_file
+
 
 def write_json(path: Path, payload: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=1))
-    tmp.replace(path)
+    with atomic_file(path) as f:
+        f.write(json.dumps(payload, indent=1))
 
 
 def read_ppl(path: Path) -> tuple[str, list[dict]]:

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Optional
 
 from sparse_ft import rope
-from sparse_ft.models import META_FILE, SHAPE_KEYS, atomic_directory
+from sparse_ft.models import META_FILE, SHAPE_KEYS
+from sparse_ft.outputs import atomic_directory
 
 
 def save_adapter(engine, directory: Path, recipe, base_path: str, tokenizer=None) -> Optional[Path]:

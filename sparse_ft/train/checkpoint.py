@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file, save
 
 from sparse_ft.data.token_files import sha256_file
+from sparse_ft.outputs import fsync_dir, write_synced
 from sparse_ft.train.engine import Engine
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
@@ -41,28 +42,8 @@ def trainable(engine: Engine) -> list[tuple[str, torch.nn.Parameter]]:
     return [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_bytes(path: Path, data: bytes) -> None:
-    """Every checkpoint byte goes through here, so that a failing write (ENOSPC) is an
-    ``OSError`` naming the file, and a written file is on disk before the next step."""
-    try:
-        with open(path, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-    except OSError as err:
-        raise OSError(err.errno, err.strerror or str(err), str(path)) from err
-
-
 def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    _write_bytes(path, save({k: v.contiguous() for k, v in tensors.items()}))
+    write_synced(path, save({k: v.contiguous() for k, v in tensors.items()}))
 
 
 def _json_sha256(record: dict) -> str:
@@ -79,7 +60,7 @@ def seal(directory: Path, meta: dict, files: list[str]) -> None:
     record = {**meta, "files": {name: {"bytes": (directory / name).stat().st_size, "sha256": sha256_file(directory / name)}
                                 for name in files}}
     record["sha256"] = _json_sha256(record)
-    _write_bytes(directory / META, json.dumps(record, indent=1).encode())
+    write_synced(directory / META, json.dumps(record, indent=1).encode())
 
 
 def verify(path: Path) -> dict:
@@ -115,10 +96,10 @@ def save_checkpoint(engine: Engine, output_dir: Path, step: int, meta: dict, kee
         files = ["trainable.safetensors", "optimizer.safetensors", *map(rng_file, range(engine.world_size))]
         seal(tmp, {**meta, "step": step, "optimizer_steps": engine.get_steps(), "world_size": engine.world_size,
                    "amp": engine.amp_state()}, files)
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        _fsync_dir(output_dir)
+        fsync_dir(output_dir)
     except OSError as err:
         if engine.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # frees what the failed write took
@@ -226,3 +207,20 @@ def load_checkpoint(engine: Engine, path: Path) -> dict:
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state(rng["cuda"])
     return meta
+
+
+def claim_checkpoints(output_dir: Path, resume: str, overwrite: bool) -> None:
+    """A fresh run (``resume=never``) may only start beside an earlier run's checkpoints if the
+    recipe says ``train.overwrite_output_dir``; then those checkpoints, and nothing else, go."""
+    old = checkpoint_dirs(output_dir)
+    if resume != "never" or not old:
+        return
+    names = ", ".join(p.name for p in old)
+    if not overwrite:
+        raise ValueError(
+            f"train.resume=never: train.output_dir={output_dir} holds an earlier run's checkpoints ({names}); "
+            "resume it with train.resume=auto, choose another train.output_dir, or set train.overwrite_output_dir=true to delete them"
+        )
+    for path in old:
+        shutil.rmtree(path)
+    print(f"train.overwrite_output_dir: deleted {names} from {output_dir}", flush=True)

@@ -19,7 +19,9 @@ from tqdm import tqdm
 from sparse_ft.config import Recipe, format_recipe, save_resolved
 from sparse_ft.data.packing import build_train_dataset
 from sparse_ft.models import load_tokenizer, materialize_tiny
+from sparse_ft.outputs import RunLock
 from sparse_ft.train import checkpoint, sequence_parallel
+from sparse_ft.train.checkpoint import claim_checkpoints
 from sparse_ft.train.adapter import save_adapter
 from sparse_ft.train.deepspeed import DeepSpeedEngine, resolve_deepspeed_config
 from sparse_ft.train.distributed import init_distributed
@@ -28,7 +30,6 @@ from sparse_ft.train.fingerprint import check_resume, fingerprint
 from sparse_ft.train.metrics import MetricLog, peak_memory_mib
 from sparse_ft.train.model_setup import base_model_path, build_model
 from sparse_ft.train.preflight import preflight
-from sparse_ft.train.rundir import RunLock, claim_checkpoints
 
 
 class DataOrder:
