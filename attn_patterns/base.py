@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 import torch
 
+from attn_patterns.checks import check_int, check_qkv
 from attn_patterns.kernels import resolve_backend
 from attn_patterns.registry import Registry
 
@@ -25,14 +26,6 @@ def chunk_size(n: int, chunks: int) -> int:
     return -(-n // chunks)
 
 
-def check_int(name: str, value: Any, owner: str, least: int = 1) -> int:
-    """Every integer parameter of every pattern and method is checked here, so a recipe
-    value of the wrong type (``true``, ``2.5``) fails with the same message everywhere."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < least:
-        raise ValueError(f"{owner}: {name}={value!r} must be an integer >= {least}")
-    return value
-
-
 class Pattern:
     """Base class. A subclass states its rule either as ``keys`` (a progression per head and
     query: exact pair counts in O(H·N)) or, when that form does not fit, by overriding
@@ -40,17 +33,16 @@ class Pattern:
     still no N×N tensor). Causality is added to either, always. ``forward`` is the fast
     path. ``head_multiple`` is the number the head count must be divisible by (``head_rule``
     says why); ``native_gqa`` says ``forward`` accepts K/V with fewer heads than q
-    (otherwise ``__call__`` repeats them first). ``static``: the visible set is the rule's
-    and ``__call__`` takes q/k rotated at their true positions, so any model can run the
-    pattern through the one static-pattern adapter (``sparse_ft.methods``); patterns that
-    move positions or pick keys from the data (DCA, LongHeads) are not, and come with a
-    method of their own."""
+    (otherwise ``__call__`` repeats them first). The visible set is the rule's whatever the
+    data, and ``__call__`` takes q/k as a model hands them over (rotated at their true
+    positions), so any model runs any pattern through one adapter (``sparse_ft.methods``).
+    What moves positions or picks keys from the data is no pattern but an
+    :class:`~attn_patterns.algorithm.Algorithm` (DCA, LongHeads)."""
 
     name: str = "pattern"
     head_multiple: int = 1
     head_rule: str = "the pattern splits heads into groups"
     native_gqa: bool = False
-    static: bool = True
     head_invariant: bool = False  # the rule ignores the head index, so any slice of heads runs ``forward`` as is
 
     def __init__(self, backend: Optional[str] = None, **params: Any) -> None:
@@ -150,7 +142,7 @@ class Pattern:
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: Optional[str] = None
     ) -> torch.Tensor:
-        _check_qkv(q, k, v)
+        check_qkv(q, k, v)
         num_heads = q.shape[1]
         self.check_heads(num_heads)
         chosen = resolve_backend(backend or self.backend, q)
@@ -176,7 +168,7 @@ class HeadSlice(Pattern):
             raise ValueError(f"{pattern.name}: head offset={offset!r} must be an integer in [0, total={total})")
         super().__init__(pattern.backend)
         self.pattern, self.offset, self.total = pattern, offset, total
-        self.name, self.native_gqa, self.static = pattern.name, pattern.native_gqa, pattern.static
+        self.name, self.native_gqa = pattern.name, pattern.native_gqa
 
     def __repr__(self) -> str:
         return f"{self.pattern!r}.heads({self.offset}, {self.total})"
@@ -196,22 +188,6 @@ class HeadSlice(Pattern):
 
     def forward(self, q, k, v, backend):
         return self.pattern.forward_heads(q, k, v, backend, self.offset, self.total)
-
-
-def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(
-            f"q, k, v must be 4-D (batch, heads, seq, dim); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
-        )
-    b, h, n, d = q.shape
-    if k.shape != v.shape or k.shape[0] != b or k.shape[2] != n or k.shape[3] != d:
-        raise ValueError(
-            f"k and v must be (batch={b}, kv_heads, seq={n}, dim={d}) like q; got k {tuple(k.shape)}, v {tuple(v.shape)}"
-        )
-    if n < 1:
-        raise ValueError("seq_len=0: patterns need at least one token")
-    if h % k.shape[1]:
-        raise ValueError(f"num_heads={h} must be a multiple of kv_heads={k.shape[1]} (grouped-query attention)")
 
 
 PATTERNS: Registry[Pattern] = Registry("pattern", Pattern)

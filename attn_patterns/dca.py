@@ -40,9 +40,10 @@ from typing import Optional
 
 import torch
 
-from attn_patterns.base import Keys, Pattern, _check_qkv, check_int, register
+from attn_patterns.algorithm import Algorithm, register
+from attn_patterns.checks import check_int
 from attn_patterns.kernels import LSE_BACKENDS, attend_lse, lse_backend, merge_lse
-from attn_patterns.rotary import default_inv_freq, rotate
+from attn_patterns.rotary import rotate
 
 VARIANTS = ("paper", "chunkllama", "qwen")
 # A factor on the attention logits that grows with the sequence length L beyond c, per call
@@ -212,9 +213,9 @@ def dca_attention(
     return out
 
 
-# --- the pattern ------------------------------------------------------------------------
+# --- the algorithm ----------------------------------------------------------------------
 @register
-class DualChunkAttention(Pattern):
+class DualChunkAttention(Algorithm):
     """DCA with chunk size s, local window w and pretraining length c; any left as None is
     taken from the model (c = ``config.max_position_embeddings``, the context the model
     handles with its current RoPE) and the variant's defaults (paper: s = 3c/4, w = c - s).
@@ -223,7 +224,6 @@ class DualChunkAttention(Pattern):
     own, ``DEFAULT_LOGIT_SCALE``); ``pieces`` is the paper's ablation (``PIECES``)."""
 
     name = "dca"
-    static = False
 
     def __init__(
         self,
@@ -253,6 +253,7 @@ class DualChunkAttention(Pattern):
         super().__init__(backend=backend, chunk_size=chunk_size, local_window=local_window,
                          pretraining_length=pretraining_length, variant=variant, pieces=pieces,
                          logit_scale=logit_scale)
+        self.backend = backend
         self.chunk_size, self.local_window, self.pretraining_length = chunk_size, local_window, pretraining_length
         self.variant, self.pieces = variant, pieces
         self.logit_scale = DEFAULT_LOGIT_SCALE[variant] if logit_scale is None else logit_scale
@@ -274,26 +275,16 @@ class DualChunkAttention(Pattern):
     def relative_positions(self, n: int, pretraining_length: Optional[int] = None) -> torch.Tensor:
         return relative_positions(n, *self.sizes(pretraining_length), variant=self.variant, pieces=self.pieces)
 
-    def keys(self, h: torch.Tensor, i: torch.Tensor, n: int, num_heads: int) -> Keys:
-        # DCA changes positions, never visibility: every causal key; intra-chunk alone sees
-        # its own chunk only.
-        zero = torch.zeros_like(i + h)
-        if self.pieces != "intra":
-            return zero, zero + n - 1, zero + 1
-        step = chunk_length(*self.sizes()[:2], self.variant)
-        return (i // step) * step + zero, i + zero, zero + 1
+    def mask(self, seq_len: int, num_heads: int) -> torch.Tensor:
+        """Dense bool ``(num_heads, seq_len, seq_len)`` of the keys each query sees: every
+        causal key, since DCA moves positions and never hides a key, except with
+        ``pieces='intra'``, where a query sees its own chunk only. For tests and pictures."""
+        seen = self.relative_positions(seq_len) >= 0
+        return seen.expand(num_heads, seq_len, seq_len).clone()
 
-    def __call__(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: Optional[str] = None,
-        inv_freq: Optional[torch.Tensor] = None,
-    ) -> torch.Tensor:
-        """Whole-sequence DCA of RoPE-free q (B,H,N,D), k/v (B,Hkv,N,D): DCA applies RoPE
-        itself with ``inv_freq`` (default: base 10000 over all of D)."""
-        _check_qkv(q, k, v)
-        self.check_heads(q.shape[1])
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+               inv_freq: Optional[torch.Tensor], backend: Optional[str] = None) -> torch.Tensor:
+        """Whole-sequence DCA of q, k rotated at positions 0..N-1 with ``inv_freq``."""
         s, w, c = self.sizes()
-        inv_freq = default_inv_freq(q.shape[-1]) if inv_freq is None else inv_freq.to(q.device)
-        pos = torch.arange(q.shape[2], device=q.device)
-        q, k = rotate(q, pos, inv_freq), rotate(k, pos, inv_freq)
         return dca_attention(q, k, v, inv_freq, s, w, c, self.scale(q.shape[2], q.shape[-1]),
                              backend=backend or self.backend, variant=self.variant, pieces=self.pieces)

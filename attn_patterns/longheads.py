@@ -38,7 +38,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from attn_patterns.base import Pattern, check_int, register
+from attn_patterns.algorithm import Algorithm, register
+from attn_patterns.checks import check_int
 from attn_patterns.kernels import attend_lse, lse_backend
 from attn_patterns.rotary import rotate as rerotate
 
@@ -66,7 +67,7 @@ def chunk_representations(
 
 
 @register
-class LongHeads(Pattern):
+class LongHeads(Algorithm):
     """Per-head chunk selection with position remapping: chunk size l (paper: 256) and k
     chunks per head, first and local included (default: as many as fit the pretraining
     length, k = L // l; the paper's 4k Llama-2 runs use k·l = 2k or 4k). ``keep_previous``
@@ -74,7 +75,6 @@ class LongHeads(Pattern):
     ``keep_previous=False`` is the paper's text (first and own chunk only)."""
 
     name = "longheads"
-    static = False
 
     def __init__(
         self, chunk_size: int = 256, chunks: Optional[int] = None, pretraining_length: Optional[int] = None,
@@ -113,29 +113,15 @@ class LongHeads(Pattern):
             )
         return k
 
-    def mask(self, seq_len: int, num_heads: int) -> torch.Tensor:
-        raise ValueError(f"{self.name} selects keys from the data (q·k); it has no fixed mask. Use attend(...) instead")
-
-    def visible_pairs(self, seq_len: int, num_heads: int) -> int:
-        raise ValueError(f"{self.name} selects keys from the data; its visible pairs depend on q and k")
-
-    # --- the pure-torch call ------------------------------------------------------------
-    def __call__(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        backend: Optional[str] = None,
-        inv_freq: Optional[torch.Tensor] = None,
-        chunks: Optional[int] = None,
-    ) -> torch.Tensor:
-        """Whole-sequence attention: q (B,H,N,D), k/v (B,Hkv,N,D) rotated at positions
-        0..N-1 with ``inv_freq`` (None: a model without RoPE). ``chunks`` overrides k."""
-        k_chunks = chunks or self.chunks or (self.window(self.pretraining_length) if self.pretraining_length else None)
-        if k_chunks is None:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+               inv_freq: Optional[torch.Tensor], backend: Optional[str] = None) -> torch.Tensor:
+        """Whole-sequence LongHeads of q, k rotated at positions 0..N-1 with ``inv_freq``."""
+        if self.chunks is None and self.pretraining_length is None:
             raise ValueError(f"{self.name}: pass chunks= or pretraining_length= to know k")
+        k_chunks = self.chunks or self.window(self.pretraining_length)
         reps = chunk_representations(*_whole(q, k, v, self.chunk_size), self.chunk_size, 0, inv_freq)
-        return attend(q, k, v, reps, self.chunk_size, k_chunks, inv_freq, 1.0 / math.sqrt(q.shape[-1]), self.keep_previous)
+        return longheads_attention(q, k, v, reps, self.chunk_size, k_chunks, inv_freq, 1.0 / math.sqrt(q.shape[-1]),
+                                   self.keep_previous, backend)
 
 
 def _whole(q, k, v, l):
@@ -161,9 +147,9 @@ def select_chunks(scores: torch.Tensor, m: int | torch.Tensor, k_chunks: int, ke
     return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, top.indices, picked) | forced
 
 
-def attend(
+def longheads_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, reps: torch.Tensor, l: int, k_chunks: int,
-    inv_freq: Optional[torch.Tensor], scale: float, keep_previous: bool = False,
+    inv_freq: Optional[torch.Tensor], scale: float, keep_previous: bool = False, backend: Optional[str] = None,
 ) -> torch.Tensor:
     """LongHeads output (B,H,Nq,D) for the last Nq positions of Nk keys (rotated at their
     true positions). ``reps`` (B,H,>=M,D) are the complete chunks' representations.
@@ -176,7 +162,7 @@ def attend(
     start = nk - nq
     q_raw = rerotate(q, -torch.arange(start, nk, device=q.device), inv_freq).float()  # RoPE-free, for scoring
     gather = _chunk_gather(k, v, l, inv_freq, whole=nq * k_chunks * h >= nk * k.shape[1])
-    backend = lse_backend(None, q, k, v, "longheads")
+    backend = lse_backend(backend, q, k, v, "longheads")
     out = torch.empty_like(q)
     rows, steps = _plan(start, nk, l, k_chunks, b * h, d)
     for blocks in steps:

@@ -12,7 +12,8 @@ from typing import Any, Optional, Sequence, Union
 import torch
 import torch.nn.functional as F
 
-from attn_patterns.base import PATTERNS, Keys, Pattern, check_int, chunk_size, register
+from attn_patterns.base import PATTERNS, Keys, Pattern, chunk_size, register
+from attn_patterns.checks import check_int
 from attn_patterns.kernels import BACKENDS, block_attention, chunk, unchunk
 
 

@@ -25,11 +25,15 @@ PARAMS = {
 }
 
 
+# every registered pattern and algorithm
+NAMES = [*attn_patterns.names(), *attn_patterns.algorithm_names()]
+
+
 def pattern_of(name):
-    """A static pattern as the Pattern object ("full" too then runs through our function);
-    the others (DCA, LongHeads) through their method."""
-    pattern = attn_patterns.get(name, **PARAMS.get(name, {}))
-    return pattern if pattern.static else methods.get(name, **PARAMS.get(name, {}))
+    """A pattern as the Pattern object ("full" too then runs through our function); an
+    algorithm (DCA, LongHeads) through its method."""
+    params = PARAMS.get(name, {})
+    return attn_patterns.get(name, **params) if name in attn_patterns.PATTERNS else methods.get(name, **params)
 
 
 def has_hook(pattern):
@@ -70,7 +74,7 @@ def logits_and_grad(model, ids):
 def test_every_pattern_matches_dense_reference_in_model(kind):
     model = build(kind)
     ids = ids_of((2, 29))
-    for name in attn_patterns.names():
+    for name in NAMES:
         pattern = pattern_of(name)  # a Pattern object: "full" too runs through our function
         use_attention(model, pattern)
         fast = logits_and_grad(model, ids)
@@ -163,7 +167,7 @@ def test_two_models_use_their_own_patterns():
 def test_future_tokens_do_not_change_earlier_logits():
     model = build("qwen2")
     ids = ids_of((1, 33))
-    for name in attn_patterns.names():
+    for name in NAMES:
         use_attention(model, pattern_of(name))
         base = model(ids).logits
         for t in (4, 16, 30):

@@ -113,12 +113,12 @@ def test_longheads_fused_matches_math(dtype):
     inv = default_inv_freq(d)
     pos = torch.arange(n)
     q, k = rotate(q, pos, inv), rotate(k, pos, inv)
-    pattern = LongHeads(chunk_size=4, chunks=4)
-    cpu = pattern(q, k, v, inv_freq=inv)
+    algorithm = LongHeads(chunk_size=4, chunks=4)
+    cpu = algorithm.attend(q, k, v, inv_freq=inv)
     q, k, v = (x.cuda().to(dtype) for x in (q, k, v))
     with torch.no_grad():
-        fused = pattern(q, k, v, inv_freq=inv.cuda())
-    math_path = pattern(q.clone().requires_grad_(), k, v, inv_freq=inv.cuda()).detach()
+        fused = algorithm.attend(q, k, v, inv_freq=inv.cuda())
+    math_path = algorithm.attend(q.clone().requires_grad_(), k, v, inv_freq=inv.cuda()).detach()
     torch.testing.assert_close(fused.float(), math_path.float(), atol=TOL[dtype], rtol=TOL[dtype])
     if dtype == torch.float32:
         torch.testing.assert_close(fused.cpu(), cpu, atol=1e-3, rtol=1e-3)

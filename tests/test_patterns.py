@@ -157,7 +157,7 @@ def test_flex_refuses_cpu_training_and_flash_needs_cuda():
 @pytest.mark.parametrize(
     "call,message",
     [
-        (lambda: attn_patterns.get("scca"), r"pattern='scca' is unknown; allowed: dca, full, .*scca_flow"),
+        (lambda: attn_patterns.get("scca"), r"pattern='scca' is unknown; allowed: full, .*scca_flow"),
         (lambda: attn_patterns.get("s2", chunks=0), r"chunks=0 must be an integer >= 1"),
         (lambda: attn_patterns.get("sda", dilation=0), r"dilation=0 must be an integer >= 1"),
         (lambda: attn_patterns.get("s2", backend="cuda"), r"s2: backend='cuda' is unknown; allowed: sdpa, flash, flex"),
@@ -325,7 +325,7 @@ def test_attn_patterns_is_pure_torch():
         "from attn_patterns.longheads import LongHeads\n"
         "q = torch.randn(1, 8, 40, 4)\n"
         "assert attn_patterns.get('longmixed')(q, q[:, :2], q[:, :2]).shape == q.shape\n"
-        "assert attn_patterns.get('dca', pretraining_length=16)(q, q[:, :2], q[:, :2]).shape == q.shape\n"
+        "assert attn_patterns.get_algorithm('dca', pretraining_length=16)(q, q[:, :2], q[:, :2]).shape == q.shape\n"
         "assert LongHeads(chunk_size=4, chunks=3)(q, q[:, :2], q[:, :2]).shape == q.shape\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from attn_patterns import PATTERNS, Pattern
+from attn_patterns import PATTERNS, Algorithm, Pattern
 from attn_patterns.kernels import auto_backend
-from sparse_ft.methods.base import METHODS, Method, PatternBacked, Supports, cached_generate, register, reprefill_generate
+from sparse_ft.methods.base import METHODS, AlgorithmMethod, Method, Supports, cached_generate, register, reprefill_generate
 from sparse_ft.methods.pattern import ModelAttention, PatternMethod
 
 # the modules whose methods register themselves on import, in the order tables list them
@@ -31,7 +31,7 @@ from sparse_ft.methods import dca as _dca  # noqa: E402,F401
 from sparse_ft.methods import longheads as _longheads  # noqa: E402,F401
 from sparse_ft.methods import parallelcomp as _parallelcomp  # noqa: E402,F401
 
-__all__ = ["METHODS", "Method", "ModelAttention", "PatternBacked", "PatternMethod", "Supports", "cached_generate",
+__all__ = ["METHODS", "AlgorithmMethod", "Method", "ModelAttention", "PatternMethod", "Supports", "cached_generate",
            "for_training", "get", "names", "register", "reprefill_generate", "resolve"]
 
 
@@ -91,6 +91,11 @@ def resolve(spec: "str | Method | Pattern", flag: str = "--method", /, **params:
         return spec
     if isinstance(spec, Pattern):
         return PatternMethod(spec)
+    if isinstance(spec, Algorithm):
+        raise ValueError(
+            f"{spec!r} moves positions or picks keys from the data, so it is no pattern a model can run as it is; "
+            f"use its method: sparse_ft.methods.get({spec.name!r}, ...)"
+        )
     raise ValueError(f"{spec!r} is neither a method name, a Method nor a Pattern")
 
 

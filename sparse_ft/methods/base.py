@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from attn_patterns.base import Pattern
+from attn_patterns.algorithm import Algorithm
 from attn_patterns.registry import Registry
 
 
@@ -89,21 +89,23 @@ class Method:
         return f"{self.name}()"
 
 
-class PatternBacked(Method):
-    """A method around a pure-torch pattern (``pattern_class``) whose parameters it takes
-    as its own: one parameter list, checked in one place."""
+class AlgorithmMethod(Method):
+    """A method around a pure-torch attention algorithm (``algorithm_class``: DCA, LongHeads)
+    whose parameters it takes as its own: one parameter list, checked in one place. The
+    method supplies what the algorithm needs from the model (its RoPE frequencies, its
+    context) and what KV-cache decoding needs."""
 
-    pattern_class: type[Pattern] = Pattern
+    algorithm_class: type[Algorithm] = Algorithm
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        cls.__signature__ = inspect.signature(cls.pattern_class)
+        cls.__signature__ = inspect.signature(cls.algorithm_class)
 
     def __init__(self, **params: Any) -> None:
-        self.pattern = self.pattern_class(**params)
+        self.algorithm = self.algorithm_class(**params)
 
     def __repr__(self) -> str:
-        return repr(self.pattern)
+        return repr(self.algorithm)
 
 
 METHODS: Registry[Method] = Registry("method", Method)

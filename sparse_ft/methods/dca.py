@@ -3,7 +3,7 @@
 One path serves prefill, chunked prefill and cached decoding: the call's ``Nq`` queries are
 the last of ``Nk`` positions, everything rotated at its true position with the model's own
 RoPE frequencies (so DCA composes with any scaling in them), and DCA needs no state.
-The model supplies what the pure pattern cannot know: ``c`` defaults to the context it
+The model supplies what the pure algorithm cannot know: ``c`` defaults to the context it
 handles now (``config.max_position_embeddings``) and the frequencies come from its config.
 
 Models that ship DCA (Qwen2.5-1M, Qwen3-2507) say so in ``dual_chunk_attention_config``,
@@ -23,7 +23,7 @@ import torch
 
 from attn_patterns.dca import DualChunkAttention, dca_attention
 from attn_patterns.kernels import LSE_BACKENDS
-from sparse_ft.methods.base import PatternBacked, Supports, register
+from sparse_ft.methods.base import AlgorithmMethod, Supports, register
 from sparse_ft.rope import rope_inv_freq
 
 logger = logging.getLogger(__name__)
@@ -69,34 +69,34 @@ def sparse_prefill_enabled(dca_config: dict[str, Any]) -> bool:
 
 
 @register
-class DualChunk(PatternBacked):
+class DualChunk(AlgorithmMethod):
     name = "dca"
-    pattern_class = DualChunkAttention
+    algorithm_class = DualChunkAttention
     supports = Supports(training=False, ppl=True, kv_cache=True, padding=("right",), backends=(None, *LSE_BACKENDS))
 
     def __init__(self, **params: Any) -> None:
         super().__init__(**params)
         self.given = params
-        self._for: tuple[Optional[dict], DualChunkAttention] = (None, self.pattern)  # the last DCA config's pattern
+        self._for: tuple[Optional[dict], DualChunkAttention] = (None, self.algorithm)  # the last DCA config's algorithm
 
-    def pattern_for(self, config: Any) -> DualChunkAttention:
-        """The pattern a model with ``config`` runs: the model's own DCA configuration under
+    def algorithm_for(self, config: Any) -> DualChunkAttention:
+        """The algorithm a model with ``config`` runs: the model's own DCA configuration under
         the user's parameters when it has one and no other variant was asked for. The last
         one is kept, since every layer's every call asks."""
         dca_config = model_dca_config(config)
         if dca_config is None or self.given.get("variant", "qwen") != "qwen":
-            return self.pattern
+            return self.algorithm
         if self._for[0] != dca_config:
             self._for = (dca_config, DualChunkAttention(**(params_from_config(dca_config) | self.given)))
         return self._for[1]
 
     def describe(self, config: Any) -> str:
-        p = self.pattern_for(config)
+        p = self.algorithm_for(config)
         s, w, c = p.sizes(int(config.max_position_embeddings))
         dca_config = model_dca_config(config)
         if dca_config is None:
             source = "no dual_chunk_attention_config in the model"
-        elif p is self.pattern:
+        elif p is self.algorithm:
             source = f"the model's dual_chunk_attention_config is not used with variant={p.variant!r}"
         else:
             given = ", ".join(sorted(self.given)) or "nothing"
@@ -106,10 +106,10 @@ class DualChunk(PatternBacked):
                 f"logit_scale={p.logit_scale} ({source})")
 
     def check_model(self, config: Any) -> None:
-        p = self.pattern_for(config)
+        p = self.algorithm_for(config)
         logger.info(self.describe(config))
         dca_config = model_dca_config(config)
-        if p is not self.pattern and sparse_prefill_enabled(dca_config):
+        if p is not self.algorithm and sparse_prefill_enabled(dca_config):
             threshold = dca_config.get("sparse_attention_threshold", 32768)
             logger.warning(
                 "dca: the model's dual_chunk_attention_config enables the serving engines' vertical-slash sparse "
@@ -137,7 +137,7 @@ class DualChunk(PatternBacked):
                     "padding are not supported"
                 )
         config = module.config
-        p = self.pattern_for(config)
+        p = self.algorithm_for(config)
         context = int(config.max_position_embeddings)
         s, w, c = p.sizes(context)
         inv_freq = rope_inv_freq(config, "dca").to(query.device)

@@ -1,5 +1,5 @@
 """LongHeads inside a transformers model (the maths: ``attn_patterns.longheads``): what the
-pure pattern cannot know by itself: the RoPE frequencies the model rotated q/k with, its
+pure algorithm cannot know by itself: the RoPE frequencies the model rotated q/k with, its
 pretraining length, and which positions a call covers when a KV cache is in use.
 
 One path serves prefill, chunked prefill and cached decoding: the call's queries are the last
@@ -16,30 +16,30 @@ from typing import Any, Optional
 
 import torch
 
-from attn_patterns.longheads import LongHeads, attend, chunk_representations
+from attn_patterns.longheads import LongHeads, chunk_representations, longheads_attention
 from sparse_ft import rope
-from sparse_ft.methods.base import PatternBacked, Supports, register
+from sparse_ft.methods.base import AlgorithmMethod, Supports, register
 
 _STATE_ATTR = "_longheads_state"
 
 
 @register
-class LongHeadsMethod(PatternBacked):
+class LongHeadsMethod(AlgorithmMethod):
     name = "longheads"
-    pattern_class = LongHeads
+    algorithm_class = LongHeads
     supports = Supports(training=False, ppl=True, kv_cache=True, padding=("right",))
 
     def __call__(self, module, query, key, value, attention_mask, scaling: Optional[float] = None,
                  dropout: float = 0.0, **kwargs: Any) -> tuple[torch.Tensor, None]:
         """q (B,H,Nq,D), k/v (B,Hkv,Nk,D) -> (B,Nq,H,D)."""
         self.check_inputs(attention_mask, dropout)
-        p = self.pattern
+        p = self.algorithm
         config = module.config
         k_chunks = p.window(p.pretraining_length or rope.original_context(config))
         inv_freq = rope.rope_inv_freq(config, "longheads").to(query.device)  # cheap; never stale after a RoPE change
         reps = _update_state(module, query, key, value, p.chunk_size, inv_freq)
         scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
-        out = attend(query, key, value, reps, p.chunk_size, k_chunks, inv_freq, scale, p.keep_previous)
+        out = longheads_attention(query, key, value, reps, p.chunk_size, k_chunks, inv_freq, scale, p.keep_previous)
         return out.transpose(1, 2).contiguous(), None
 
 

@@ -19,17 +19,12 @@ from sparse_ft.methods.base import Method, Supports, register
 
 
 class PatternMethod(Method):
-    """Any static pattern (``Pattern.static``), trainable, on whole sequences only: a
-    pattern is defined over a whole sequence, so generation re-runs the sequence."""
+    """Any pattern, trainable, on whole sequences only: a pattern is defined over a whole
+    sequence, so generation re-runs the sequence."""
 
     supports = Supports(training=True, ppl=True, kv_cache=False, backends=(None, *BACKENDS))
 
     def __init__(self, pattern: Pattern) -> None:
-        if not pattern.static:
-            raise ValueError(
-                f"{pattern.name} moves positions or picks keys from the data, so it is no static pattern; "
-                f"use its method: sparse_ft.methods.get({pattern.name!r}, ...)"
-            )
         self.pattern = pattern
 
     @property
