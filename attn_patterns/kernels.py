@@ -367,7 +367,11 @@ def merge_lse(pieces: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     return out.to(pieces[0][0].dtype)
 
 
-def auto_backend(half_precision: bool, allowed: tuple[Optional[str], ...] = (None, *BACKENDS)) -> str:
+def auto_backend(half_precision: bool, allowed: tuple[Optional[str], ...] = (None, *BACKENDS)) -> Optional[str]:
     """``auto``: flash-attn where it can run (installed, CUDA, half precision) and ``allowed``
-    has it, SDPA elsewhere. Resolved on the machine that runs, so a saved recipe names what ran."""
-    return "flash" if "flash" in allowed and half_precision and flash_available() else "sdpa"
+    has it, SDPA elsewhere, None where ``allowed`` has neither (the model's own attention
+    picks its kernel itself). Resolved on the machine that runs, so a saved recipe names what
+    ran."""
+    if "flash" in allowed and half_precision and flash_available():
+        return "flash"
+    return "sdpa" if "sdpa" in allowed else None

@@ -53,9 +53,10 @@ class _Builtin(Pattern):
 
 @register
 class Causal(_Builtin):
-    """``full``: every earlier key."""
+    """``causal``: every earlier key, on the toolkit's kernels (the model's own attention is
+    the method ``full``)."""
 
-    name = "full"
+    name = "causal"
     head_invariant = True
 
     def __init__(self, backend: Optional[str] = None) -> None:

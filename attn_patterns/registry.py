@@ -2,7 +2,7 @@
 methods in ``sparse_ft.methods``), filled where things are defined::
 
     @PATTERNS.register                 # a class: registered under its ``name``
-    class Causal(Pattern): name = "full"
+    class Causal(Pattern): name = "causal"
 
     @PATTERNS.register                 # a function: registered under its own name
     def s2(chunks: int = 4, backend: str | None = None) -> Pattern: ...

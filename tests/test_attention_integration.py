@@ -30,7 +30,7 @@ NAMES = [*attn_patterns.names(), *attn_patterns.algorithm_names()]
 
 
 def pattern_of(name):
-    """A pattern as the Pattern object ("full" too then runs through our function); an
+    """A pattern as the Pattern object ("causal" too runs through our function); an
     algorithm (DCA, LongHeads) through its method."""
     params = PARAMS.get(name, {})
     return attn_patterns.get(name, **params) if name in attn_patterns.PATTERNS else methods.get(name, **params)
@@ -75,7 +75,7 @@ def test_every_pattern_matches_dense_reference_in_model(kind):
     model = build(kind)
     ids = ids_of((2, 29))
     for name in NAMES:
-        pattern = pattern_of(name)  # a Pattern object: "full" too runs through our function
+        pattern = pattern_of(name)  # a Pattern object: "causal" too runs through our function
         use_attention(model, pattern)
         fast = logits_and_grad(model, ids)
         if has_hook(pattern):
@@ -243,6 +243,21 @@ def test_peft_wrapped_and_gradient_checkpointed_model_trains():
     assert any(g.abs().sum() > 0 for g in grads)
     use_attention(peft_model, "full")
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_full_is_the_models_own_attention_and_causal_the_toolkits():
+    """One name, one meaning: ``full`` leaves attention to the model and takes no backend;
+    causal attention on the toolkit's kernels, with a backend, is the pattern ``causal``."""
+    assert not methods.get("full").replaces_attention
+    with pytest.raises(ValueError, match="--method full takes no --method-arg; got backend"):
+        methods.get("full", backend="sdpa")
+    assert methods.for_training("full", {}, "auto", "bfloat16")[1] is None  # the model picks its kernel
+    causal = methods.get("causal", backend="sdpa")
+    assert causal.replaces_attention and causal.pattern.backend == "sdpa"
+    model = build("llama")
+    ids = ids_of((1, 24))
+    own = model(ids).logits
+    torch.testing.assert_close(use_attention(model, causal)(ids).logits, own, atol=1e-5, rtol=1e-5)
 
 
 def test_errors_name_the_problem():

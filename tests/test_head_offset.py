@@ -10,14 +10,14 @@ import attn_patterns
 
 H = 16
 PATTERNS = [
-    ("full", {}),
+    ("causal", {}),
     ("s2", {}),
     ("scca_fixed", {"chunks": 3}),
     ("scca_flow", {}),
     ("sda", {"dilation": 3}),
     ("longmixed", {}),
     # 5 + 11 heads: ranks' slices cut through the split and give sda odd head offsets
-    ("mixed", {"parts": [("full", 0.3125), ({"name": "sda", "dilation": 2}, 0.6875)]}),
+    ("mixed", {"parts": [("causal", 0.3125), ({"name": "sda", "dilation": 2}, 0.6875)]}),
 ]
 IDS = [f"{name}{params or ''}" for name, params in PATTERNS]
 

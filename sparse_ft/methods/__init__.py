@@ -1,8 +1,8 @@
 """Every way the toolkit can make a model attend, behind one protocol (:class:`Method`):
 
-* the model's own attention (``full``) and every static pattern of ``attn_patterns``
-  (S², SCCA, SDA, LongMixed, ... and patterns registered later), the latter through one
-  adapter (:class:`PatternMethod`): the training patterns;
+* the model's own attention (``full``) and every pattern of ``attn_patterns`` (S², SCCA,
+  SDA, LongMixed, ``causal`` on the toolkit's kernels, ... and patterns registered later),
+  the latter through one adapter (:class:`PatternMethod`): the training patterns;
 * the training-free methods, one module each: Dual Chunk Attention (``dca``), LongHeads,
   ParallelComp, and PI / NTK / YaRN (``rope_scaling``).
 
@@ -36,9 +36,8 @@ __all__ = ["METHODS", "AlgorithmMethod", "Method", "ModelAttention", "PatternMet
 
 
 def names(where: Optional[Callable[[Supports], bool]] = None) -> list[str]:
-    """Registered methods in registration order, then the static patterns that have no
-    method of their own; with ``where``, those whose default instance's ``supports``
-    satisfies it (``names(lambda s: s.training)``)."""
+    """Registered methods in registration order, then the patterns; with ``where``, those
+    whose default instance's ``supports`` satisfies it (``names(lambda s: s.training)``)."""
     every = METHODS.names() + [n for n in PATTERNS.names() if n not in METHODS]
     if where is None:
         return every
@@ -59,13 +58,12 @@ def _named(flag: str, name: str) -> str:
 
 def get(name: str, flag: str = "--method", /, **params: Any) -> Method:
     """The method ``name`` with ``params``; errors name ``flag`` (the CLI flag or recipe key
-    the name came from). A static pattern's name gives it through :class:`PatternMethod`;
-    ``full`` with pattern parameters (a backend) is the ``full`` pattern on the toolkit's
-    kernels, without any the model's own attention."""
-    # a parameterless method (``full``) given pattern parameters means the pattern of its name
-    overridden = name in METHODS and not (
-        params and not METHODS.parameters(name) and name in PATTERNS and set(params) <= set(PATTERNS.parameters(name)))
-    as_pattern = name in PATTERNS and not overridden
+    the name came from). A pattern's name gives it through :class:`PatternMethod`. A name
+    must mean one thing: one registered both as a method and as a pattern is refused."""
+    if name in METHODS and name in PATTERNS:
+        raise ValueError(f"{_named(flag, name)} is registered both as a method (sparse_ft.methods) and as a pattern "
+                         "(attn_patterns); names must be unique across the two: rename one")
+    as_pattern = name in PATTERNS
     registry = PATTERNS if as_pattern else METHODS
     if name not in registry:
         raise ValueError(f"{_named(flag, name)} is unknown; allowed: {', '.join(names())}")

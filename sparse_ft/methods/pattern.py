@@ -1,4 +1,4 @@
-"""Static patterns inside a model (S², SCCA, SDA, LongMixed, ... and any registered later)
+"""Patterns inside a model (S², SCCA, SDA, LongMixed, causal, ... and any registered later)
 through one adapter, and ``full``: the model's own attention.
 
 A padded row is computed as if it were alone and unpadded: its real tokens go through the
@@ -69,13 +69,12 @@ class PatternMethod(Method):
 @register
 class ModelAttention(Method):
     """``full``: the model's own attention implementation (sdpa, eager, flash...); switching
-    to it restores the model exactly, logits bit-identical to never having switched. (Given
-    pattern parameters, e.g. a backend, ``full`` names the ``full`` pattern through the
-    toolkit's kernels instead: :func:`sparse_ft.methods.get`.)"""
+    to it restores the model exactly, logits bit-identical to never having switched. It
+    takes no parameters and no backend: the model picks its kernel itself. Causal attention
+    on the toolkit's kernels, with a backend, is the pattern ``causal``."""
 
     name = "full"
-    # a backend makes ``full`` the pattern on the toolkit's kernels (see sparse_ft.methods.get)
-    supports = Supports(training=True, ppl=True, kv_cache=True, backends=(None, *BACKENDS))
+    supports = Supports(training=True, ppl=True, kv_cache=True)
     replaces_attention = False
 
     def apply(self, model: torch.nn.Module, length: int) -> None:
