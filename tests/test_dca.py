@@ -19,8 +19,8 @@ import attn_patterns
 from attn_patterns import Algorithm
 from attn_patterns.dca import dca_attention
 from attn_patterns.rotary import default_inv_freq, rotate
-from sparse_ft import methods
-from sparse_ft.attention import current_method, use_attention
+from sparse_ft import methods, use_attention
+from sparse_ft.attention import current_method
 from sparse_ft.methods import Method
 from sparse_ft.methods.dca import SPARSE_KEYS, model_dca_config, params_from_config
 from sparse_ft.tiny import tiny_llama

@@ -20,6 +20,7 @@ import torch
 
 from attn_patterns.algorithm import Algorithm
 from attn_patterns.registry import Registry
+from sparse_ft.attention import use_attention
 
 
 @dataclass(frozen=True)
@@ -60,8 +61,6 @@ class Method:
     def apply(self, model: torch.nn.Module, length: int) -> None:
         """Make ``model`` attend with this method for sequences of ``length`` tokens
         (evaluation calls it per length)."""
-        from sparse_ft.attention import use_attention
-
         use_attention(model, self)
 
     def generate(self, model: torch.nn.Module, tokenizer: Any, context_ids: list[int], question_ids: list[int],

@@ -37,6 +37,7 @@ from attn_patterns.base import check_int
 from sparse_ft import rope
 from sparse_ft.attention import current_method, pretrained, use_attention
 from sparse_ft.methods.base import Method, Supports, greedy, model_device, register
+from sparse_ft.methods.pattern import ModelAttention
 
 PPL_UNSUPPORTED = (
     "ParallelComp ranks context chunks by the self-information of a query (-log P(query | chunk)); "
@@ -202,7 +203,7 @@ def _attending(model, method: Method) -> Iterator[None]:
     try:
         yield
     finally:
-        use_attention(model, previous if previous is not None else "full")
+        use_attention(model, previous if previous is not None else ModelAttention())
 
 
 def _encode(model, encoder: _Encode, spans, context, question, cfg, num_layers):
