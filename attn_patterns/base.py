@@ -64,7 +64,7 @@ class Pattern:
         raise NotImplementedError
 
     def forward_heads(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str, offset: int, total: int
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str, *, offset: int, total: int
     ) -> torch.Tensor:
         """``forward`` for q's heads as heads ``[offset, offset + H)`` of ``total``. Patterns whose
         rule reads the head index (head groups, dilation offsets) override it."""
@@ -94,16 +94,16 @@ class Pattern:
                 f"({self.head_rule})"
             )
 
-    def rule(self, h: torch.Tensor, i: torch.Tensor, j: torch.Tensor, n: int, num_heads: int) -> torch.Tensor:
+    def rule(self, h: torch.Tensor, i: torch.Tensor, j: torch.Tensor, *, n: int, num_heads: int) -> torch.Tensor:
         """attention-gym style mask_mod before causality: True where query i of head h may
         attend key j. Derived from ``keys``; override it where a progression does not fit."""
         lo, hi, step = self.keys(h, i, n, num_heads)
         return (j >= lo) & (j <= hi) & ((j - lo) % step == 0)
 
-    def visible(self, h: torch.Tensor, i: torch.Tensor, j: torch.Tensor, n: int, num_heads: int) -> torch.Tensor:
+    def visible(self, h: torch.Tensor, i: torch.Tensor, j: torch.Tensor, *, n: int, num_heads: int) -> torch.Tensor:
         """The rule, always intersected with causality: what mask(), visible_pairs() and the
         flex backend use."""
-        return self.rule(h, i, j, n, num_heads) & (j <= i)
+        return self.rule(h, i, j, n=n, num_heads=num_heads) & (j <= i)
 
     def mask(self, seq_len: int, num_heads: int) -> torch.Tensor:
         """Dense bool ``(num_heads, seq_len, seq_len)``; for tests and pictures only."""
@@ -111,7 +111,7 @@ class Pattern:
         h = torch.arange(num_heads)[:, None, None]
         i = torch.arange(seq_len)[None, :, None]
         j = torch.arange(seq_len)[None, None, :]
-        return self.visible(h, i, j, seq_len, num_heads).expand(num_heads, seq_len, seq_len).clone()
+        return self.visible(h, i, j, n=seq_len, num_heads=num_heads).expand(num_heads, seq_len, seq_len).clone()
 
     def visible_pairs(self, seq_len: int, num_heads: int) -> int:
         """Number of True entries of ``mask(seq_len, num_heads)`` (the benchmark's ideal
@@ -135,7 +135,7 @@ class Pattern:
         total = 0
         for start in range(0, n, rows):
             i = torch.arange(start, min(n, start + rows))[None, :, None]
-            total += int(self.visible(h, i, j, n, num_heads).expand(num_heads, i.shape[1], n).sum())
+            total += int(self.visible(h, i, j, n=n, num_heads=num_heads).expand(num_heads, i.shape[1], n).sum())
         return total
 
     # --- the call -------------------------------------------------------------------------
@@ -183,11 +183,11 @@ class HeadSlice(Pattern):
     def keys(self, h, i, n, num_heads) -> Keys:
         return self.pattern.keys(h + self.offset, i, n, self.total)
 
-    def rule(self, h, i, j, n, num_heads):
-        return self.pattern.rule(h + self.offset, i, j, n, self.total)
+    def rule(self, h, i, j, *, n, num_heads):
+        return self.pattern.rule(h + self.offset, i, j, n=n, num_heads=self.total)
 
     def forward(self, q, k, v, backend):
-        return self.pattern.forward_heads(q, k, v, backend, self.offset, self.total)
+        return self.pattern.forward_heads(q, k, v, backend, offset=self.offset, total=self.total)
 
 
 PATTERNS: Registry[Pattern] = Registry("pattern", Pattern)

@@ -165,7 +165,7 @@ class ToySink(Pattern):
         super().__init__(backend, window=window)
         self.window = window
 
-    def rule(self, h, i, j, n, num_heads):
+    def rule(self, h, i, j, *, n, num_heads):
         return (j == 0) | (i - j < self.window)
 
     def forward(self, q, k, v, backend):  # a toy's fast path: the dense reference itself

@@ -233,11 +233,12 @@ def test_kernel_on_rotated_inputs_and_decoding(variant):
     q_rot, k_rot = rotate(q, pos, inv), rotate(k, pos, inv)
     p = attn_patterns.get_algorithm("dca", chunk_size=s, local_window=w, pretraining_length=c, variant=variant)
     scale = p.scale(n, 16)
-    full = dca_attention(q_rot, k_rot, v, inv, s, w, c, scale, variant=variant)
+    sizes = dict(inv_freq=inv, chunk_size=s, local_window=w, pretraining_length=c, scale=scale, variant=variant)
+    full = dca_attention(q_rot, k_rot, v, **sizes)
     torch.testing.assert_close(full.double(), want(p, q, k, v), atol=2e-5, rtol=1e-4)
     for tail in (1, 4, 13):
         for backend in ("sdpa", "math"):
-            part = dca_attention(q_rot[:, :, -tail:], k_rot, v, inv, s, w, c, scale, backend=backend, variant=variant)
+            part = dca_attention(q_rot[:, :, -tail:], k_rot, v, **sizes, backend=backend)
             torch.testing.assert_close(part, full[:, :, -tail:], atol=2e-5, rtol=1e-4)
 
 

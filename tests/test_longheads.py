@@ -83,15 +83,17 @@ def test_attend_call_rows_and_small_steps_match_reference(keep_previous, l, budg
     if budget:
         monkeypatch.setattr(longheads, "_BLOCK_ELEMENTS", budget)
     k_chunks, n = 4, 37
-    assert longheads._plan(0, n, l, k_chunks, 8, 16)[0] == rows
+    assert longheads._plan(start=0, nk=n, chunk_size=l, chunks=k_chunks, batch_heads=8, head_dim=16)[0] == rows
     q_raw, k_raw, v = _qkv(n, hkv=4, seed=7)
     pos = torch.arange(n)
     q, k = _rot(q_raw, pos), _rot(k_raw, pos)
     whole = n // l * l
-    reps = longheads.chunk_representations(q[:, :, :whole], k[:, :, :whole], v[:, :, :whole], l, 0, INV_FREQ)
+    reps = longheads.chunk_representations(q[:, :, :whole], k[:, :, :whole], v[:, :, :whole], chunk_size=l, first_chunk=0,
+                                           inv_freq=INV_FREQ)
     expected = reference(q_raw, k_raw, v, l, k_chunks, keep_previous)
     for nq in (n, 13, 1):
-        out = longheads.longheads_attention(q[:, :, n - nq :], k, v, reps, l, k_chunks, INV_FREQ, 0.25, keep_previous)
+        out = longheads.longheads_attention(q[:, :, n - nq :], k, v, reps=reps, chunk_size=l, chunks=k_chunks, inv_freq=INV_FREQ,
+                                            scale=0.25, keep_previous=keep_previous)
         torch.testing.assert_close(out, expected[:, :, n - nq :], atol=2e-5, rtol=1e-4)
 
 

@@ -240,7 +240,7 @@ def test_registered_rule_only_pattern_gets_mask_pairs_and_flex():
             super().__init__(backend, window=window)
             self.window = window
 
-        def rule(self, h, i, j, n, num_heads):  # causality is the base class's to add
+        def rule(self, h, i, j, *, n, num_heads):  # causality is the base class's to add
             return (j == 0) | (i - j < self.window + h)
 
     @attn_patterns.register("test_sink")

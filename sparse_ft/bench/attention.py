@@ -60,7 +60,7 @@ def _step(attend, q, k, v):
 
 
 def _dense(q, k, v):
-    return sdpa(q, k, v, None, True)
+    return sdpa(q, k, v, mask=None, causal=True)
 
 
 def run(

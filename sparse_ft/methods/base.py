@@ -63,11 +63,12 @@ class Method:
         (evaluation calls it per length)."""
         use_attention(model, self)
 
-    def generate(self, model: torch.nn.Module, tokenizer: Any, context_ids: list[int], question_ids: list[int],
+    def generate(self, model: torch.nn.Module, tokenizer: Any, *, context_ids: list[int], question_ids: list[int],
                  max_new_tokens: int) -> list[int]:
         """Greedy answer to ``question_ids`` after ``context_ids``: the new token ids."""
         generate = cached_generate if self.supports.kv_cache else reprefill_generate
-        return generate(model, tokenizer, context_ids, question_ids, max_new_tokens)
+        return generate(model, tokenizer, context_ids=context_ids, question_ids=question_ids,
+                        max_new_tokens=max_new_tokens)
 
     def check_inputs(self, attention_mask: Optional[torch.Tensor], dropout: float = 0.0) -> None:
         """For training-free methods (no attention dropout) that compute padded batches only
@@ -130,7 +131,8 @@ def model_device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-def cached_generate(model, tokenizer, context_ids: list[int], question_ids: list[int], max_new_tokens: int) -> list[int]:
+def cached_generate(model: torch.nn.Module, tokenizer: Any, *, context_ids: list[int], question_ids: list[int],
+                    max_new_tokens: int) -> list[int]:
     """transformers' own ``generate`` with the KV cache."""
     ids = torch.tensor([list(context_ids) + list(question_ids)], device=model_device(model))
     out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
@@ -139,7 +141,8 @@ def cached_generate(model, tokenizer, context_ids: list[int], question_ids: list
 
 
 @torch.inference_mode()
-def reprefill_generate(model, tokenizer, context_ids: list[int], question_ids: list[int], max_new_tokens: int) -> list[int]:
+def reprefill_generate(model: torch.nn.Module, tokenizer: Any, *, context_ids: list[int], question_ids: list[int],
+                       max_new_tokens: int) -> list[int]:
     """Greedy decoding without a KV cache: each new token from a forward over the whole
     sequence, so a pattern defined on whole sequences is applied exactly as defined."""
     ids = torch.tensor([list(context_ids) + list(question_ids)], device=model_device(model))

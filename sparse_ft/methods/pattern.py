@@ -37,7 +37,7 @@ class PatternMethod(Method):
     def check_model(self, config: Any) -> None:
         self.pattern.check_heads(config.num_attention_heads)
 
-    def __call__(self, module, query, key, value, attention_mask, scaling: Optional[float] = None,
+    def __call__(self, module, query, key, value, attention_mask, *, scaling: Optional[float] = None,
                  dropout: float = 0.0, head_offset: int = 0, num_heads: Optional[int] = None,
                  **kwargs: Any) -> tuple[torch.Tensor, None]:
         """``head_offset`` / ``num_heads``: query holds heads ``[head_offset, ...)`` of
@@ -62,7 +62,7 @@ class PatternMethod(Method):
         d = query.shape[-1]
         if scaling is not None and not math.isclose(scaling, 1.0 / math.sqrt(d), rel_tol=1e-6):
             query = query * (scaling * math.sqrt(d))  # patterns use 1/sqrt(D)
-        out = pattern(query, key, value) if real is None else _per_row(pattern, query, key, value, real)
+        out = pattern(query, key, value) if real is None else _per_row(pattern, query, key, value, real=real)
         return out.transpose(1, 2).contiguous(), None
 
 
@@ -126,7 +126,7 @@ def _check_positions(position_ids: Optional[torch.Tensor], real: Optional[torch.
         )
 
 
-def _per_row(pattern: Pattern, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+def _per_row(pattern: Pattern, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, real: torch.Tensor) -> torch.Tensor:
     """Each row's run of real tokens through the pattern at its own length (rows sharing a
     run are batched together); padding queries get 0. Left and right padding both work."""
     n = real.shape[1]
