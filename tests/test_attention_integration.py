@@ -260,6 +260,19 @@ def test_full_is_the_models_own_attention_and_causal_the_toolkits():
     torch.testing.assert_close(use_attention(model, causal)(ids).logits, own, atol=1e-5, rtol=1e-5)
 
 
+def test_the_installer_takes_ready_methods_and_names_resolve_with_the_methods():
+    """sparse_ft.attention knows no names (the one-way seam); an algorithm object needs its
+    method, which knows what the model must supply."""
+    from sparse_ft import attention
+
+    model = build("llama")
+    with pytest.raises(ValueError, match=r"installs a ready method.*sparse_ft.use_attention\(model, name, \*\*params\)"):
+        attention.use_attention(model, "s2")
+    with pytest.raises(ValueError, match=r"use its method: sparse_ft.methods.get\('dca', ...\)"):
+        use_attention(model, attn_patterns.get_algorithm("dca"))
+    assert current_method(attention.use_attention(model, methods.get("s2"))).name == "s2"
+
+
 def test_errors_name_the_problem():
     from transformers import GPT2Config, GPT2LMHeadModel
 

@@ -58,7 +58,8 @@ def get(name: str, flag: str = "--method", /, **params: Any) -> Method:
 
 
 def resolve(spec: "str | Method | Pattern", flag: str = "--method", /, **params: Any) -> Method:
-    """A method from a name (with ``params``), a Method, or a static Pattern object."""
+    """A method from a name (with ``params``), a Method, or a Pattern object; an Algorithm
+    object is refused, since it runs in a model only through its method."""
     if isinstance(spec, str):
         return get(spec, flag, **params)
     if params:
