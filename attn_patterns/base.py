@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 import torch
 
+from attn_patterns.checks import check_int, check_qkv
 from attn_patterns.kernels import resolve_backend
 from attn_patterns.registry import Registry
 
@@ -25,14 +26,6 @@ def chunk_size(n: int, chunks: int) -> int:
     return -(-n // chunks)
 
 
-def check_int(name: str, value: Any, owner: str, least: int = 1) -> int:
-    """Every integer parameter of every pattern and method is checked here, so a recipe
-    value of the wrong type (``true``, ``2.5``) fails with the same message everywhere."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < least:
-        raise ValueError(f"{owner}: {name}={value!r} must be an integer >= {least}")
-    return value
-
-
 class Pattern:
     """Base class. A subclass states its rule either as ``keys`` (a progression per head and
     query: exact pair counts in O(H·N)) or, when that form does not fit, by overriding
@@ -40,17 +33,16 @@ class Pattern:
     still no N×N tensor). Causality is added to either, always. ``forward`` is the fast
     path. ``head_multiple`` is the number the head count must be divisible by (``head_rule``
     says why); ``native_gqa`` says ``forward`` accepts K/V with fewer heads than q
-    (otherwise ``__call__`` repeats them first). ``static``: the visible set is the rule's
-    and ``__call__`` takes q/k rotated at their true positions, so any model can run the
-    pattern through the one static-pattern adapter (``sparse_ft.methods``); patterns that
-    move positions or pick keys from the data (DCA, LongHeads) are not, and come with a
-    method of their own."""
+    (otherwise ``__call__`` repeats them first). The visible set is the rule's whatever the
+    data, and ``__call__`` takes q/k as a model hands them over (rotated at their true
+    positions), so any model runs any pattern through one adapter (``sparse_ft.methods``).
+    What moves positions or picks keys from the data is no pattern but an
+    :class:`~attn_patterns.algorithm.Algorithm` (DCA, LongHeads)."""
 
     name: str = "pattern"
     head_multiple: int = 1
     head_rule: str = "the pattern splits heads into groups"
     native_gqa: bool = False
-    static: bool = True
     head_invariant: bool = False  # the rule ignores the head index, so any slice of heads runs ``forward`` as is
 
     def __init__(self, backend: Optional[str] = None, **params: Any) -> None:
@@ -72,7 +64,7 @@ class Pattern:
         raise NotImplementedError
 
     def forward_heads(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str, offset: int, total: int
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str, *, offset: int, total: int
     ) -> torch.Tensor:
         """``forward`` for q's heads as heads ``[offset, offset + H)`` of ``total``. Patterns whose
         rule reads the head index (head groups, dilation offsets) override it."""
@@ -102,16 +94,16 @@ class Pattern:
                 f"({self.head_rule})"
             )
 
-    def rule(self, h: torch.Tensor, i: torch.Tensor, j: torch.Tensor, n: int, num_heads: int) -> torch.Tensor:
+    def rule(self, h: torch.Tensor, i: torch.Tensor, j: torch.Tensor, *, n: int, num_heads: int) -> torch.Tensor:
         """attention-gym style mask_mod before causality: True where query i of head h may
         attend key j. Derived from ``keys``; override it where a progression does not fit."""
         lo, hi, step = self.keys(h, i, n, num_heads)
         return (j >= lo) & (j <= hi) & ((j - lo) % step == 0)
 
-    def visible(self, h: torch.Tensor, i: torch.Tensor, j: torch.Tensor, n: int, num_heads: int) -> torch.Tensor:
+    def visible(self, h: torch.Tensor, i: torch.Tensor, j: torch.Tensor, *, n: int, num_heads: int) -> torch.Tensor:
         """The rule, always intersected with causality: what mask(), visible_pairs() and the
         flex backend use."""
-        return self.rule(h, i, j, n, num_heads) & (j <= i)
+        return self.rule(h, i, j, n=n, num_heads=num_heads) & (j <= i)
 
     def mask(self, seq_len: int, num_heads: int) -> torch.Tensor:
         """Dense bool ``(num_heads, seq_len, seq_len)``; for tests and pictures only."""
@@ -119,7 +111,7 @@ class Pattern:
         h = torch.arange(num_heads)[:, None, None]
         i = torch.arange(seq_len)[None, :, None]
         j = torch.arange(seq_len)[None, None, :]
-        return self.visible(h, i, j, seq_len, num_heads).expand(num_heads, seq_len, seq_len).clone()
+        return self.visible(h, i, j, n=seq_len, num_heads=num_heads).expand(num_heads, seq_len, seq_len).clone()
 
     def visible_pairs(self, seq_len: int, num_heads: int) -> int:
         """Number of True entries of ``mask(seq_len, num_heads)`` (the benchmark's ideal
@@ -143,14 +135,14 @@ class Pattern:
         total = 0
         for start in range(0, n, rows):
             i = torch.arange(start, min(n, start + rows))[None, :, None]
-            total += int(self.visible(h, i, j, n, num_heads).expand(num_heads, i.shape[1], n).sum())
+            total += int(self.visible(h, i, j, n=n, num_heads=num_heads).expand(num_heads, i.shape[1], n).sum())
         return total
 
     # --- the call -------------------------------------------------------------------------
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: Optional[str] = None
     ) -> torch.Tensor:
-        _check_qkv(q, k, v)
+        check_qkv(q, k, v)
         num_heads = q.shape[1]
         self.check_heads(num_heads)
         chosen = resolve_backend(backend or self.backend, q)
@@ -176,7 +168,7 @@ class HeadSlice(Pattern):
             raise ValueError(f"{pattern.name}: head offset={offset!r} must be an integer in [0, total={total})")
         super().__init__(pattern.backend)
         self.pattern, self.offset, self.total = pattern, offset, total
-        self.name, self.native_gqa, self.static = pattern.name, pattern.native_gqa, pattern.static
+        self.name, self.native_gqa = pattern.name, pattern.native_gqa
 
     def __repr__(self) -> str:
         return f"{self.pattern!r}.heads({self.offset}, {self.total})"
@@ -191,27 +183,11 @@ class HeadSlice(Pattern):
     def keys(self, h, i, n, num_heads) -> Keys:
         return self.pattern.keys(h + self.offset, i, n, self.total)
 
-    def rule(self, h, i, j, n, num_heads):
-        return self.pattern.rule(h + self.offset, i, j, n, self.total)
+    def rule(self, h, i, j, *, n, num_heads):
+        return self.pattern.rule(h + self.offset, i, j, n=n, num_heads=self.total)
 
     def forward(self, q, k, v, backend):
-        return self.pattern.forward_heads(q, k, v, backend, self.offset, self.total)
-
-
-def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(
-            f"q, k, v must be 4-D (batch, heads, seq, dim); got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
-        )
-    b, h, n, d = q.shape
-    if k.shape != v.shape or k.shape[0] != b or k.shape[2] != n or k.shape[3] != d:
-        raise ValueError(
-            f"k and v must be (batch={b}, kv_heads, seq={n}, dim={d}) like q; got k {tuple(k.shape)}, v {tuple(v.shape)}"
-        )
-    if n < 1:
-        raise ValueError("seq_len=0: patterns need at least one token")
-    if h % k.shape[1]:
-        raise ValueError(f"num_heads={h} must be a multiple of kv_heads={k.shape[1]} (grouped-query attention)")
+        return self.pattern.forward_heads(q, k, v, backend, offset=self.offset, total=self.total)
 
 
 PATTERNS: Registry[Pattern] = Registry("pattern", Pattern)

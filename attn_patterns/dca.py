@@ -40,9 +40,10 @@ from typing import Optional
 
 import torch
 
-from attn_patterns.base import Keys, Pattern, _check_qkv, check_int, register
+from attn_patterns.algorithm import Algorithm, register
+from attn_patterns.checks import check_int
 from attn_patterns.kernels import LSE_BACKENDS, attend_lse, lse_backend, merge_lse
-from attn_patterns.rotary import default_inv_freq, rotate
+from attn_patterns.rotary import rotate
 
 VARIANTS = ("paper", "chunkllama", "qwen")
 # A factor on the attention logits that grows with the sequence length L beyond c, per call
@@ -104,10 +105,12 @@ def logit_factor(kind: str, length: int, c: int) -> float:
 
 
 def query_positions(
-    i: torch.Tensor, s: int, w: int, c: int, variant: str = "paper", pieces: str = PIECES[-1]
+    i: torch.Tensor, *, chunk_size: int, local_window: int, pretraining_length: int, variant: str = "paper",
+    pieces: str = PIECES[-1],
 ) -> tuple[torch.Tensor, ...]:
     """Target positions ``(intra, successive, inter)`` of queries at true positions ``i``;
     without the successive piece the previous chunk is seen like any other (inter-chunk)."""
+    s, w, c = chunk_size, local_window, pretraining_length
     a = i % s
     if variant != "paper":
         # the published code: chunks of L = s - w tokens, successive queries at min(a + L, s),
@@ -122,12 +125,17 @@ def query_positions(
     return a, (succ if "successive" in pieces else inter), inter
 
 
-def relative_positions(n: int, s: int, w: int, c: int, variant: str = "paper", pieces: str = PIECES[-1]) -> torch.Tensor:
+def relative_positions(
+    n: int, *, chunk_size: int, local_window: int, pretraining_length: int, variant: str = "paper",
+    pieces: str = PIECES[-1],
+) -> torch.Tensor:
     """The ``(n, n)`` int64 matrix M of eqs. 2–8; -1 where the key is not seen (above the
     diagonal; other chunks with ``pieces='intra'``). Tests and pictures only (it is N×N)."""
     i = torch.arange(n)
-    step = chunk_length(s, w, variant)
-    intra, succ, inter = (p[:, None] for p in query_positions(i, s, w, c, variant, pieces))
+    step = chunk_length(chunk_size, local_window, variant)
+    targets = query_positions(i, chunk_size=chunk_size, local_window=local_window,
+                              pretraining_length=pretraining_length, variant=variant, pieces=pieces)
+    intra, succ, inter = (p[:, None] for p in targets)
     d = i[:, None] // step - i[None, :] // step
     target = torch.where(d == 0, intra, torch.where(d == 1, succ, inter))
     rel = target - (i % step)[None, :]
@@ -139,6 +147,7 @@ def dca_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    *,
     inv_freq: torch.Tensor,
     chunk_size: int,
     local_window: int,
@@ -167,7 +176,7 @@ def dca_attention(
     nq, nk = q.shape[2], k.shape[2]
     start = nk - nq
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    backend = lse_backend(backend, q, k, v, "dca")
+    backend = lse_backend(backend, q, k, v, owner="dca")
     step = chunk_length(s, w, variant)  # the length keys repeat their positions with
     paper = variant == "paper"
     near = min(step, w if paper else w + 1)  # rows whose successive distance is true
@@ -177,44 +186,55 @@ def dca_attention(
         near, succ_at = 0, inter_at
     dev = q.device
     out = torch.empty_like(q)
-    k_far: list[torch.Tensor] = []  # keys at j mod step, made on first use (never within c tokens)
+    far_keys: Optional[torch.Tensor] = None  # keys at j mod step, made on first use (never within c tokens)
 
-    def far(rows: slice, pos: torch.Tensor, keys: slice, at: int):
-        if not k_far:  # the last chunk's keys are never far; chunk j moves by -j·step
-            chunks = (nk - 1) // step
-            whole = k[:, :, : chunks * step].reshape(*k.shape[:2], chunks, step, k.shape[-1])
-            shift = -step * torch.arange(chunks, device=dev)[:, None]
-            k_far.append(rotate(whole, shift, inv_freq).flatten(2, 3))
-        return attend_lse(rotate(q[:, :, rows], at - pos, inv_freq), k_far[0][:, :, keys], v[:, :, keys], scale, None, backend, step)
+    def far(rows: slice, pos: torch.Tensor, keys: slice, at: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows' attention, queries moved to position ``at``, to ``keys`` at j mod step."""
+        nonlocal far_keys
+        if far_keys is None:
+            far_keys = _keys_in_chunk_frame(k, step, inv_freq)
+        return attend_lse(rotate(q[:, :, rows], at - pos, inv_freq), far_keys[:, :, keys], v[:, :, keys],
+                          scale=scale, offset=None, backend=backend, block=step)
 
-    for m in range(start // step, (nk - 1) // step + 1):
-        lo, hi = max(m * step, start), min((m + 1) * step, nk)
-        intra = attend_lse(q[:, :, lo - start : hi - start], k[:, :, m * step : hi], v[:, :, m * step : hi],
-                        scale, lo - m * step, backend, step)
-        if m == 0 or pieces == "intra":
+    for chunk in range(start // step, (nk - 1) // step + 1):
+        lo, hi = max(chunk * step, start), min((chunk + 1) * step, nk)
+        intra = attend_lse(q[:, :, lo - start : hi - start], k[:, :, chunk * step : hi], v[:, :, chunk * step : hi],
+                           scale=scale, offset=lo - chunk * step, backend=backend, block=step)
+        if chunk == 0 or pieces == "intra":
             out[:, :, lo - start : hi - start] = intra[0]
             continue
-        prev, before = slice((m - 1) * step, m * step), slice(0, (m - 1) * step)
-        for g_lo, g_hi, is_near in ((lo, min(hi, m * step + near), True), (max(lo, m * step + near), hi, False)):
-            if g_lo >= g_hi:
+        prev, before = slice((chunk - 1) * step, chunk * step), slice(0, (chunk - 1) * step)
+        near_rows, far_rows = (lo, min(hi, chunk * step + near), True), (max(lo, chunk * step + near), hi, False)
+        for row_lo, row_hi, is_near in (near_rows, far_rows):
+            if row_lo >= row_hi:
                 continue
-            rows, pos = slice(g_lo - start, g_hi - start), torch.arange(g_lo, g_hi, device=dev)
-            parts = [(intra[0][:, :, g_lo - lo : g_hi - lo], intra[1][:, :, g_lo - lo : g_hi - lo])]
+            rows, pos = slice(row_lo - start, row_hi - start), torch.arange(row_lo, row_hi, device=dev)
+            parts = [(intra[0][:, :, row_lo - lo : row_hi - lo], intra[1][:, :, row_lo - lo : row_hi - lo])]
             if is_near:  # successive chunk at the true distance: the model's own rotation
-                parts.append(attend_lse(q[:, :, rows], k[:, :, prev], v[:, :, prev], scale, None, backend, step))
+                parts.append(attend_lse(q[:, :, rows], k[:, :, prev], v[:, :, prev],
+                                        scale=scale, offset=None, backend=backend, block=step))
             elif succ_at == inter_at:  # previous chunk and all before seen from one position
-                parts.append(far(rows, pos, slice(0, m * step), inter_at))
+                parts.append(far(rows, pos, slice(0, chunk * step), inter_at))
             else:
                 parts.append(far(rows, pos, prev, succ_at))
-            if m >= 2 and (is_near or succ_at != inter_at):
+            if chunk >= 2 and (is_near or succ_at != inter_at):
                 parts.append(far(rows, pos, before, inter_at))
             out[:, :, rows] = merge_lse(parts)
     return out
 
 
-# --- the pattern ------------------------------------------------------------------------
+def _keys_in_chunk_frame(k: torch.Tensor, step: int, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Keys moved from position j to j mod ``step`` (chunk c rotated by -c·step), for every
+    chunk but the last, whose keys are never far from any query."""
+    chunks = (k.shape[2] - 1) // step
+    whole = k[:, :, : chunks * step].reshape(*k.shape[:2], chunks, step, k.shape[-1])
+    shift = -step * torch.arange(chunks, device=k.device)[:, None]
+    return rotate(whole, shift, inv_freq).flatten(2, 3)
+
+
+# --- the algorithm ----------------------------------------------------------------------
 @register
-class DualChunkAttention(Pattern):
+class DualChunkAttention(Algorithm):
     """DCA with chunk size s, local window w and pretraining length c; any left as None is
     taken from the model (c = ``config.max_position_embeddings``, the context the model
     handles with its current RoPE) and the variant's defaults (paper: s = 3c/4, w = c - s).
@@ -223,10 +243,10 @@ class DualChunkAttention(Pattern):
     own, ``DEFAULT_LOGIT_SCALE``); ``pieces`` is the paper's ablation (``PIECES``)."""
 
     name = "dca"
-    static = False
 
     def __init__(
         self,
+        *,
         chunk_size: Optional[int] = None,
         local_window: Optional[int] = None,
         pretraining_length: Optional[int] = None,
@@ -253,6 +273,7 @@ class DualChunkAttention(Pattern):
         super().__init__(backend=backend, chunk_size=chunk_size, local_window=local_window,
                          pretraining_length=pretraining_length, variant=variant, pieces=pieces,
                          logit_scale=logit_scale)
+        self.backend = backend
         self.chunk_size, self.local_window, self.pretraining_length = chunk_size, local_window, pretraining_length
         self.variant, self.pieces = variant, pieces
         self.logit_scale = DEFAULT_LOGIT_SCALE[variant] if logit_scale is None else logit_scale
@@ -272,28 +293,22 @@ class DualChunkAttention(Pattern):
         return base * logit_factor(self.logit_scale, length, self.sizes(pretraining_length)[2])
 
     def relative_positions(self, n: int, pretraining_length: Optional[int] = None) -> torch.Tensor:
-        return relative_positions(n, *self.sizes(pretraining_length), variant=self.variant, pieces=self.pieces)
+        """:func:`relative_positions` of this configuration; ``pretraining_length`` as in :meth:`sizes`."""
+        s, w, c = self.sizes(pretraining_length)
+        return relative_positions(n, chunk_size=s, local_window=w, pretraining_length=c, variant=self.variant,
+                                  pieces=self.pieces)
 
-    def keys(self, h: torch.Tensor, i: torch.Tensor, n: int, num_heads: int) -> Keys:
-        # DCA changes positions, never visibility: every causal key; intra-chunk alone sees
-        # its own chunk only.
-        zero = torch.zeros_like(i + h)
-        if self.pieces != "intra":
-            return zero, zero + n - 1, zero + 1
-        step = chunk_length(*self.sizes()[:2], self.variant)
-        return (i // step) * step + zero, i + zero, zero + 1
+    def mask(self, seq_len: int, num_heads: int) -> torch.Tensor:
+        """Dense bool ``(num_heads, seq_len, seq_len)`` of the keys each query sees: every
+        causal key, since DCA moves positions and never hides a key, except with
+        ``pieces='intra'``, where a query sees its own chunk only. For tests and pictures."""
+        seen = self.relative_positions(seq_len) >= 0
+        return seen.expand(num_heads, seq_len, seq_len).clone()
 
-    def __call__(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: Optional[str] = None,
-        inv_freq: Optional[torch.Tensor] = None,
-    ) -> torch.Tensor:
-        """Whole-sequence DCA of RoPE-free q (B,H,N,D), k/v (B,Hkv,N,D): DCA applies RoPE
-        itself with ``inv_freq`` (default: base 10000 over all of D)."""
-        _check_qkv(q, k, v)
-        self.check_heads(q.shape[1])
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+               inv_freq: Optional[torch.Tensor], backend: Optional[str] = None) -> torch.Tensor:
+        """Whole-sequence DCA of q, k rotated at positions 0..N-1 with ``inv_freq``."""
         s, w, c = self.sizes()
-        inv_freq = default_inv_freq(q.shape[-1]) if inv_freq is None else inv_freq.to(q.device)
-        pos = torch.arange(q.shape[2], device=q.device)
-        q, k = rotate(q, pos, inv_freq), rotate(k, pos, inv_freq)
-        return dca_attention(q, k, v, inv_freq, s, w, c, self.scale(q.shape[2], q.shape[-1]),
-                             backend=backend or self.backend, variant=self.variant, pieces=self.pieces)
+        return dca_attention(q, k, v, inv_freq=inv_freq, chunk_size=s, local_window=w, pretraining_length=c,
+                             scale=self.scale(q.shape[2], q.shape[-1]), backend=backend or self.backend,
+                             variant=self.variant, pieces=self.pieces)

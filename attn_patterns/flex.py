@@ -35,7 +35,7 @@ def block_mask(pattern, n: int, num_heads: int, device: torch.device):
             masks.pop(next(iter(masks)))
 
         def mask_mod(batch, head, q_idx, kv_idx):
-            return pattern.visible(head, q_idx, kv_idx, n, num_heads)
+            return pattern.visible(head, q_idx, kv_idx, n=n, num_heads=num_heads)
 
         masks[key] = create_block_mask(
             mask_mod, B=None, H=num_heads, Q_LEN=n, KV_LEN=n, device=device, _compile=device.type == "cuda"

@@ -71,7 +71,7 @@ def _gqa_native(q: torch.Tensor, kv_heads: int, masked: bool) -> bool:
     return not masked and q.dtype in (torch.float16, torch.bfloat16) and d % 8 == 0 and d <= 256
 
 
-def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], causal: bool) -> torch.Tensor:
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Optional[torch.Tensor], causal: bool) -> torch.Tensor:
     """4-D SDPA, scale 1/sqrt(D), k/v with ``H // groups`` heads."""
     groups = q.shape[1] // k.shape[1]
     gqa = groups > 1 and _gqa_native(q, k.shape[1], mask is not None)
@@ -86,6 +86,7 @@ def block_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    *,
     offset: Optional[int],
     backend: str = "sdpa",
 ) -> torch.Tensor:
@@ -100,11 +101,11 @@ def block_attention(
         return _flash_blocks(q, k, v, offset)
     fold = lambda x: x.transpose(1, 2).reshape(b * c, x.shape[1], x.shape[3], d)  # noqa: E731
     if offset is None:
-        out = sdpa(fold(q), fold(k), fold(v), None, False)
+        out = sdpa(fold(q), fold(k), fold(v), mask=None, causal=False)
     elif offset == 0 and lq == lk:
-        out = sdpa(fold(q), fold(k), fold(v), None, True)
+        out = sdpa(fold(q), fold(k), fold(v), mask=None, causal=True)
     else:
-        out = sdpa(fold(q), fold(k), fold(v), _block_mask(lq, lk, offset, q.device), False)
+        out = sdpa(fold(q), fold(k), fold(v), mask=_block_mask(lq, lk, offset, q.device), causal=False)
     return out.view(b, c, h, lq, d).transpose(1, 2)
 
 
@@ -152,7 +153,7 @@ _HALF = (torch.float16, torch.bfloat16)
 
 
 def lse_unsupported(
-    backend: str, device: str, dtype: torch.dtype, needs_grad: bool,
+    backend: str, *, device: str, dtype: torch.dtype, needs_grad: bool,
     capability: Optional[tuple[int, int]], flash_attn: bool, head_dim: int,
 ) -> Optional[str]:
     """Why ``backend`` cannot return attention with its LSE for such a call, None if it can.
@@ -185,28 +186,29 @@ def lse_unsupported(
 
 
 def choose_lse_backend(
-    device: str, dtype: torch.dtype, needs_grad: bool,
+    *, device: str, dtype: torch.dtype, needs_grad: bool,
     capability: Optional[tuple[int, int]], flash_attn: bool, head_dim: int,
 ) -> str:
     """The automatic choice: flash-attn, else torch's flash op, else its memory-efficient op,
     whichever runs first; math when none does (gradients, other devices)."""
-    case = (device, dtype, needs_grad, capability, flash_attn, head_dim)
-    return next(b for b in _AUTO_LSE if lse_unsupported(b, *case) is None)
+    case = dict(device=device, dtype=dtype, needs_grad=needs_grad, capability=capability, flash_attn=flash_attn,
+                head_dim=head_dim)
+    return next(b for b in _AUTO_LSE if lse_unsupported(b, **case) is None)
 
 
-def lse_backend(backend: Optional[str], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, owner: str) -> str:
+def lse_backend(backend: Optional[str], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, owner: str) -> str:
     """``None``: :func:`choose_lse_backend` for this call. A named backend is checked against
-    the same table and refused with the reason and what does run here."""
+    the same table and refused with the reason and what does run here; errors name ``owner``."""
     if backend is not None and backend not in LSE_BACKENDS:
         raise ValueError(f"{owner}: backend={backend!r} is unknown; allowed: {', '.join(LSE_BACKENDS)} or None (automatic)")
-    grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
-    sm = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
-    case = (q.device.type, q.dtype, grad, sm, q.is_cuda and flash_available(), q.shape[-1])
+    case = dict(device=q.device.type, dtype=q.dtype, needs_grad=torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)),
+                capability=torch.cuda.get_device_capability(q.device) if q.is_cuda else None,
+                flash_attn=q.is_cuda and flash_available(), head_dim=q.shape[-1])
     if backend is None:
-        return choose_lse_backend(*case)
-    why = lse_unsupported(backend, *case)
+        return choose_lse_backend(**case)
+    why = lse_unsupported(backend, **case)
     if why is not None:
-        here = [b for b in LSE_BACKENDS if lse_unsupported(b, *case) is None]
+        here = [b for b in LSE_BACKENDS if lse_unsupported(b, **case) is None]
         raise ValueError(f"{owner}: backend={backend!r} cannot run here: {why}; allowed here: {', '.join(here)} or None (automatic)")
     return backend
 
@@ -214,8 +216,8 @@ def lse_backend(backend: Optional[str], q: torch.Tensor, k: torch.Tensor, v: tor
 def _fold(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """(B, H, L, D) -> (B, Hkv, G·L, D): grouped queries share their key head, so a
     non-causal attention needs no copy of K and V per query head."""
-    b, h, l, d = q.shape
-    return q.reshape(b, kv_heads, (h // kv_heads) * l, d)
+    b, h, length, d = q.shape
+    return q.reshape(b, kv_heads, (h // kv_heads) * length, d)
 
 
 def _unfold(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -224,21 +226,21 @@ def _unfold(x: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def attend_lse(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, offset: Optional[int], backend: str, block: int
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, offset: Optional[int], backend: str, block: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q (B,H,L,D) vs k/v (B,Hkv,Lk,D) -> output (B,H,L,D) in q's dtype and LSE (B,H,L) in
     fp32 (fp64 for fp64 input). Query row u sees key row t when ``t <= u + offset`` (None:
     every key). ``backend`` from :func:`lse_backend`; ``block`` bounds the math path's memory
     to O(L·block)."""
     if backend == "sdpa" and not q.is_cuda:
-        return _cpu_lse(q, k, v, scale, offset)
+        return _cpu_lse(q, k, v, scale=scale, offset=offset)
     if backend == "flex":
-        return _flex_lse(q, k, v, scale, offset)
+        return _flex_lse(q, k, v, scale=scale, offset=offset)
     shape = _bottom_right(offset, q.shape[2], k.shape[2])
     if backend == "math" or shape is None:
-        return _attend_lse_math(q, k, v, scale, offset, block)
+        return _attend_lse_math(q, k, v, scale=scale, offset=offset, block=block)
     n, causal = shape
-    return _FUSED[backend](q, k[:, :, :n], v[:, :, :n], scale, causal)
+    return _FUSED[backend](q, k[:, :, :n], v[:, :, :n], scale=scale, causal=causal)
 
 
 def _bottom_right(offset: Optional[int], lq: int, lk: int) -> Optional[tuple[int, bool]]:
@@ -252,25 +254,25 @@ def _bottom_right(offset: Optional[int], lq: int, lk: int) -> Optional[tuple[int
     return (n, True) if n <= lk else None
 
 
-def _cpu_lse(q, k, v, scale, offset):
+def _cpu_lse(q, k, v, *, scale, offset):
     """torch's fused CPU kernel: GQA folded when no mask, top-left causal when square, else an
     additive (L, Lk) mask (the piece's own size, never N×N)."""
     h, hkv = q.shape[1], k.shape[1]
-    l, lk = q.shape[2], k.shape[2]
+    lq, lk = q.shape[2], k.shape[2]
     op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     if offset is None:
         out, lse = op(_fold(q, hkv), k, v, 0.0, False, scale=scale)
         return _unfold(out, h), _unfold(lse, h)
     groups = h // hkv
     k, v = (x.repeat_interleave(groups, dim=1) if groups > 1 else x for x in (k, v))
-    if offset == 0 and l == lk:
+    if offset == 0 and lq == lk:
         return op(q, k, v, 0.0, True, scale=scale)
     # the kernel takes additive masks only: -inf where key t > u + offset
-    bias = torch.full((l, lk), float("-inf"), dtype=q.dtype, device=q.device).triu(offset + 1)
+    bias = torch.full((lq, lk), float("-inf"), dtype=q.dtype, device=q.device).triu(offset + 1)
     return op(q, k, v, 0.0, False, attn_mask=bias, scale=scale)
 
 
-def _efficient_lse(q, k, v, scale, causal):
+def _efficient_lse(q, k, v, *, scale, causal):
     """torch's memory-efficient kernel (the one V100 and fp32 have). It wants as many K/V heads
     as queries: without a mask the query groups fold onto their K/V head (no copy of K/V);
     causal pieces repeat K/V. Its LSE is padded to a multiple of 32 rows (with +inf)."""
@@ -290,12 +292,12 @@ def _efficient_lse(q, k, v, scale, causal):
     return (_unfold(out, h), _unfold(lse, h)) if fold else (out, lse)
 
 
-def _torch_flash_lse(q, k, v, scale, causal):
+def _torch_flash_lse(q, k, v, *, scale, causal):
     """FlashAttention-2 inside torch: fewer K/V heads natively, LSE (B, H, L)."""
     return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, scale=scale)[:2]
 
 
-def _flash_attn_lse(q, k, v, scale, causal):
+def _flash_attn_lse(q, k, v, *, scale, causal):
     """The flash-attn package, (B, L, H, D) layout, fewer K/V heads natively."""
     from flash_attn import flash_attn_func
 
@@ -304,18 +306,18 @@ def _flash_attn_lse(q, k, v, scale, causal):
     return t(out), lse[..., : q.shape[2]]
 
 
-def _flex_lse(q, k, v, scale, offset):
+def _flex_lse(q, k, v, *, scale, offset):
     """FlexAttention with its LSE (natural log: torch converts its internal log2 before
     returning). Any offset is a mask_mod; compiled on CUDA, unfused on CPU."""
     import torch.nn.attention.flex_attention as fa
 
     from attn_patterns.flex import compiled_flex
 
-    l, lk = q.shape[2], k.shape[2]
+    lq, lk = q.shape[2], k.shape[2]
     mask = None
     if offset is not None and offset < lk - 1:
-        mask = fa.create_block_mask(lambda b, h, u, t: t <= u + offset, None, None, l, lk, device=q.device,
-                                    _compile=q.is_cuda)
+        mask = fa.create_block_mask(lambda batch, head, row, col: col <= row + offset, None, None, lq, lk,
+                                    device=q.device, _compile=q.is_cuda)
     kernel = compiled_flex() if q.is_cuda else fa.flex_attention
     aux = getattr(fa, "AuxRequest", None)  # torch >= 2.9; return_lse before
     extra = {"return_aux": aux(lse=True)} if aux else {"return_lse": True}
@@ -326,13 +328,13 @@ def _flex_lse(q, k, v, scale, offset):
 _FUSED = {"sdpa": _torch_flash_lse, "efficient": _efficient_lse, "flash": _flash_attn_lse}
 
 
-def _attend_lse_math(q, k, v, scale, offset, block):
+def _attend_lse_math(q, k, v, *, scale, offset, block):
     """Pure matmul path (any device, differentiable): keys in blocks of ``block`` rows with
     a running max and sum in fp32."""
     h, hkv = q.shape[1], k.shape[1]
     qf = _fold(q, hkv).float() * scale
-    groups, l = h // hkv, q.shape[2]
-    rows = torch.arange(l, device=q.device).repeat(groups)[:, None]  # folded row -> query row
+    groups, lq = h // hkv, q.shape[2]
+    rows = torch.arange(lq, device=q.device).repeat(groups)[:, None]  # folded row -> query row
     top = lse = acc = None
     for start in range(0, k.shape[2], block):
         kb, vb = k[:, :, start : start + block].float(), v[:, :, start : start + block].float()
@@ -367,7 +369,11 @@ def merge_lse(pieces: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     return out.to(pieces[0][0].dtype)
 
 
-def auto_backend(half_precision: bool, allowed: tuple[Optional[str], ...] = (None, *BACKENDS)) -> str:
+def auto_backend(half_precision: bool, allowed: tuple[Optional[str], ...] = (None, *BACKENDS)) -> Optional[str]:
     """``auto``: flash-attn where it can run (installed, CUDA, half precision) and ``allowed``
-    has it, SDPA elsewhere. Resolved on the machine that runs, so a saved recipe names what ran."""
-    return "flash" if "flash" in allowed and half_precision and flash_available() else "sdpa"
+    has it, SDPA elsewhere, None where ``allowed`` has neither (the model's own attention
+    picks its kernel itself). Resolved on the machine that runs, so a saved recipe names what
+    ran."""
+    if "flash" in allowed and half_precision and flash_available():
+        return "flash"
+    return "sdpa" if "sdpa" in allowed else None

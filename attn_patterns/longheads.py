@@ -33,12 +33,14 @@ complete chunks and the queries since the last complete chunk (paper §2.4).
 from __future__ import annotations
 
 import math
-from typing import Optional
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
-from attn_patterns.base import Pattern, check_int, register
+from attn_patterns.algorithm import Algorithm, register
+from attn_patterns.checks import check_int
 from attn_patterns.kernels import attend_lse, lse_backend
 from attn_patterns.rotary import rotate as rerotate
 
@@ -47,26 +49,27 @@ _BLOCK_ELEMENTS = 1 << 22
 
 
 def chunk_representations(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_size: int, first_chunk: int, inv_freq: Optional[torch.Tensor]
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, chunk_size: int, first_chunk: int,
+    inv_freq: Optional[torch.Tensor],
 ) -> torch.Tensor:
     """Eqs. 1–2 for whole chunks: q (B,H,M·l,D) and k/v (B,Hkv,M·l,D) rotated at their true
-    positions, chunk ``first_chunk`` first. Returns c (B,H,M,D) in fp32."""
+    positions, chunk ``first_chunk`` first, l = ``chunk_size``. Returns c (B,H,M,D) in fp32."""
     b, h, n, d = q.shape
-    m, l = n // chunk_size, chunk_size
-    starts = (torch.arange(m, device=q.device) + first_chunk) * l
-    local = -starts.repeat_interleave(l)  # chunk-local RoPE: positions 0..l-1
+    count = n // chunk_size
+    starts = (torch.arange(count, device=q.device) + first_chunk) * chunk_size
+    local = -starts.repeat_interleave(chunk_size)  # chunk-local RoPE: positions 0..l-1
     # chunks folded into the head dimension: 4-D input keeps SDPA's fused kernel
-    ql = rerotate(q.float(), local, inv_freq).reshape(b, h * m, l, d)
-    kl = rerotate(k.float(), local, inv_freq)
+    local_q = rerotate(q.float(), local, inv_freq).reshape(b, h * count, chunk_size, d)
+    local_k = rerotate(k.float(), local, inv_freq)
     groups = h // k.shape[1]
-    kl = kl.repeat_interleave(groups, dim=1).view(b, h * m, l, d)
-    vl = v.float().repeat_interleave(groups, dim=1).view(b, h * m, l, d)
-    pooled = F.scaled_dot_product_attention(ql, kl, vl).mean(dim=-2, keepdim=True)  # q_i^c
-    return F.scaled_dot_product_attention(pooled, kl, kl).view(b, h, m, d)
+    local_k = local_k.repeat_interleave(groups, dim=1).view(b, h * count, chunk_size, d)
+    values = v.float().repeat_interleave(groups, dim=1).view(b, h * count, chunk_size, d)
+    pooled = F.scaled_dot_product_attention(local_q, local_k, values).mean(dim=-2, keepdim=True)  # q_i^c
+    return F.scaled_dot_product_attention(pooled, local_k, local_k).view(b, h, count, d)
 
 
 @register
-class LongHeads(Pattern):
+class LongHeads(Algorithm):
     """Per-head chunk selection with position remapping: chunk size l (paper: 256) and k
     chunks per head, first and local included (default: as many as fit the pretraining
     length, k = L // l; the paper's 4k Llama-2 runs use k·l = 2k or 4k). ``keep_previous``
@@ -74,7 +77,6 @@ class LongHeads(Pattern):
     ``keep_previous=False`` is the paper's text (first and own chunk only)."""
 
     name = "longheads"
-    static = False
 
     def __init__(
         self, chunk_size: int = 256, chunks: Optional[int] = None, pretraining_length: Optional[int] = None,
@@ -103,70 +105,55 @@ class LongHeads(Pattern):
 
     def window(self, pretraining_length: int) -> int:
         """k for a model pretrained on ``pretraining_length`` tokens; k·l must fit in it."""
-        l = self.chunk_size
-        k = self.chunks if self.chunks is not None else pretraining_length // l
+        size = self.chunk_size
+        chunks = self.chunks if self.chunks is not None else pretraining_length // size
         least = 3 if self.keep_previous else 2
-        if k < least or k * l > pretraining_length:
+        if chunks < least or chunks * size > pretraining_length:
             raise ValueError(
-                f"{self.name}: chunks={k} × chunk_size={l} = {k * l} must be <= pretraining_length="
+                f"{self.name}: chunks={chunks} × chunk_size={size} = {chunks * size} must be <= pretraining_length="
                 f"{pretraining_length} with chunks >= {least}; lower chunk_size or chunks"
             )
-        return k
+        return chunks
 
-    def mask(self, seq_len: int, num_heads: int) -> torch.Tensor:
-        raise ValueError(f"{self.name} selects keys from the data (q·k); it has no fixed mask. Use attend(...) instead")
-
-    def visible_pairs(self, seq_len: int, num_heads: int) -> int:
-        raise ValueError(f"{self.name} selects keys from the data; its visible pairs depend on q and k")
-
-    # --- the pure-torch call ------------------------------------------------------------
-    def __call__(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        backend: Optional[str] = None,
-        inv_freq: Optional[torch.Tensor] = None,
-        chunks: Optional[int] = None,
-    ) -> torch.Tensor:
-        """Whole-sequence attention: q (B,H,N,D), k/v (B,Hkv,N,D) rotated at positions
-        0..N-1 with ``inv_freq`` (None: a model without RoPE). ``chunks`` overrides k."""
-        k_chunks = chunks or self.chunks or (self.window(self.pretraining_length) if self.pretraining_length else None)
-        if k_chunks is None:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+               inv_freq: Optional[torch.Tensor], backend: Optional[str] = None) -> torch.Tensor:
+        """Whole-sequence LongHeads of q, k rotated at positions 0..N-1 with ``inv_freq``."""
+        if self.chunks is None and self.pretraining_length is None:
             raise ValueError(f"{self.name}: pass chunks= or pretraining_length= to know k")
-        reps = chunk_representations(*_whole(q, k, v, self.chunk_size), self.chunk_size, 0, inv_freq)
-        return attend(q, k, v, reps, self.chunk_size, k_chunks, inv_freq, 1.0 / math.sqrt(q.shape[-1]), self.keep_previous)
+        chunks = self.chunks or self.window(self.pretraining_length)
+        whole = q.shape[2] // self.chunk_size * self.chunk_size  # complete chunks only
+        reps = chunk_representations(q[:, :, :whole], k[:, :, :whole], v[:, :, :whole], chunk_size=self.chunk_size,
+                                     first_chunk=0, inv_freq=inv_freq)
+        return longheads_attention(q, k, v, reps=reps, chunk_size=self.chunk_size, chunks=chunks, inv_freq=inv_freq,
+                                   scale=1.0 / math.sqrt(q.shape[-1]), keep_previous=self.keep_previous, backend=backend)
 
 
-def _whole(q, k, v, l):
-    n = (q.shape[2] // l) * l
-    return q[:, :, :n], k[:, :, :n], v[:, :, :n]
-
-
-def select_chunks(scores: torch.Tensor, m: int | torch.Tensor, k_chunks: int, keep_previous: bool = False) -> torch.Tensor:
-    """Which chunks a query of chunk ``m`` attends besides its own, as a mask over the chunk
-    ids of ``scores`` (..., C): chunk 0 (and chunk m-1 with ``keep_previous``) and the best
-    of the other chunks in 1..m-1 by ``scores``, min(k-1, m) in all. ``m`` is an int or a
-    tensor broadcastable to ``scores.shape[:-1]``, so query blocks of different chunks are
-    selected in one call."""
+def select_chunks(scores: torch.Tensor, query_chunk: int | torch.Tensor, chunks: int,
+                  keep_previous: bool = False) -> torch.Tensor:
+    """Which chunks a query of chunk m = ``query_chunk`` attends besides its own, as a mask
+    over the chunk ids of ``scores`` (..., C): chunk 0 (and chunk m-1 with ``keep_previous``)
+    and the best of the other chunks in 1..m-1 by ``scores``, min(k-1, m) in all, k =
+    ``chunks``. ``query_chunk`` is an int or a tensor broadcastable to ``scores.shape[:-1]``,
+    so query blocks of different chunks are selected in one call."""
     ids = torch.arange(scores.shape[-1], device=scores.device)
-    m = torch.as_tensor(m, device=scores.device).unsqueeze(-1)
+    m = torch.as_tensor(query_chunk, device=scores.device).unsqueeze(-1)
     previous = (m >= 2) & keep_previous
     forced = ((ids == 0) & (m >= 1)) | (previous & (ids == m - 1))
     candidate = (ids >= 1) & (ids < m - previous.long())
-    free = k_chunks - 1 - forced.sum(-1, keepdim=True)
-    top = scores.masked_fill(~candidate, float("-inf")).topk(min(k_chunks - 2, scores.shape[-1]), dim=-1)
+    free = chunks - 1 - forced.sum(-1, keepdim=True)
+    top = scores.masked_fill(~candidate, float("-inf")).topk(min(chunks - 2, scores.shape[-1]), dim=-1)
     # fewer candidates than free slots: the -inf picks are dropped, so every candidate is kept
     picked = (torch.arange(top.indices.shape[-1], device=scores.device) < free) & (top.values > float("-inf"))
     return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, top.indices, picked) | forced
 
 
-def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, reps: torch.Tensor, l: int, k_chunks: int,
-    inv_freq: Optional[torch.Tensor], scale: float, keep_previous: bool = False,
+def longheads_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, reps: torch.Tensor, chunk_size: int, chunks: int,
+    inv_freq: Optional[torch.Tensor], scale: float, keep_previous: bool = False, backend: Optional[str] = None,
 ) -> torch.Tensor:
     """LongHeads output (B,H,Nq,D) for the last Nq positions of Nk keys (rotated at their
-    true positions). ``reps`` (B,H,>=M,D) are the complete chunks' representations.
+    true positions): chunks of l = ``chunk_size`` tokens, k = ``chunks`` per head. ``reps``
+    (B,H,>=M,D) are the complete chunks' representations.
 
     Rows are cut into blocks inside one chunk, so a block shares its own chunk, and a step
     takes as many blocks as :data:`_BLOCK_ELEMENTS` allows (a few thousand tokens of a small
@@ -175,71 +162,98 @@ def attend(
     nk = k.shape[2]
     start = nk - nq
     q_raw = rerotate(q, -torch.arange(start, nk, device=q.device), inv_freq).float()  # RoPE-free, for scoring
-    gather = _chunk_gather(k, v, l, inv_freq, whole=nq * k_chunks * h >= nk * k.shape[1])
-    backend = lse_backend(None, q, k, v, "longheads")
+    gather = _chunk_gather(k, v, chunk_size=chunk_size, inv_freq=inv_freq, whole=nq * chunks * h >= nk * k.shape[1])
+    call = _Call(q=q, q_raw=q_raw, reps=reps, gather=gather, groups=h // k.shape[1], start=start, chunk_size=chunk_size,
+                 chunks=chunks, inv_freq=inv_freq, scale=scale, keep_previous=keep_previous,
+                 backend=lse_backend(backend, q, k, v, owner="longheads"))
     out = torch.empty_like(q)
-    rows, steps = _plan(start, nk, l, k_chunks, b * h, d)
+    per_block, steps = _plan(start=start, nk=nk, chunk_size=chunk_size, chunks=chunks, batch_heads=b * h, head_dim=d)
     for blocks in steps:
-        first = max(start, blocks[0][0] * l + blocks[0][1] * rows)
-        last = min(nk, blocks[-1][0] * l + min(l, (blocks[-1][1] + 1) * rows))
-        out[:, :, first - start : last - start] = _step(
-            q, q_raw, reps, gather, h // k.shape[1], blocks, rows, start, l, k_chunks, inv_freq, scale, keep_previous, backend
-        )
+        first = max(start, blocks[0][0] * chunk_size + blocks[0][1] * per_block)
+        last = min(nk, blocks[-1][0] * chunk_size + min(chunk_size, (blocks[-1][1] + 1) * per_block))
+        out[:, :, first - start : last - start] = _step(call, blocks, per_block)
     return out
 
 
-def _chunk_gather(k: torch.Tensor, v: torch.Tensor, l: int, inv_freq: Optional[torch.Tensor], whole: bool):
+def _chunk_gather(k: torch.Tensor, v: torch.Tensor, *, chunk_size: int, inv_freq: Optional[torch.Tensor], whole: bool):
     """``gather(batch, kv_head, chunk)`` -> keys in chunk-local RoPE (positions 0..l-1) and
-    values (E,1,l,D) in the input dtype (the fused kernels' own); a chunk past the last key is zero-padded or repeats the last key,
-    either way beyond every query. ``whole``: when more keys will be gathered than exist
-    (prefill), rotate all keys once into a chunk-major copy and gather whole chunks as rows;
-    otherwise (decoding) gather and rotate only what is asked, not the whole cache."""
+    values (E,1,l,D) in the input dtype (the fused kernels' own); a chunk past the last key is
+    zero-padded or repeats the last key, either way beyond every query. ``whole``: when more
+    keys will be gathered than exist (prefill), rotate all keys once into a chunk-major copy
+    and gather whole chunks as rows; otherwise (decoding) gather and rotate only what is
+    asked, not the whole cache."""
     b, hkv, nk, d = k.shape
     if whole:
-        chunks = -(-nk // l)
-        local = -(torch.arange(nk, device=k.device) // l * l)
-        kc, vc = (F.pad(x, (0, 0, 0, chunks * l - nk)).reshape(b * hkv * chunks, l * d) for x in (rerotate(k, local, inv_freq), v))
+        count = -(-nk // chunk_size)
+        local = -(torch.arange(nk, device=k.device) // chunk_size * chunk_size)
+        keys, values = (F.pad(x, (0, 0, 0, count * chunk_size - nk)).reshape(b * hkv * count, chunk_size * d)
+                        for x in (rerotate(k, local, inv_freq), v))
 
-        def gather(eb, eh, ec):
-            rows = (eb * hkv + eh) * chunks + ec
-            return kc.index_select(0, rows).view(-1, 1, l, d), vc.index_select(0, rows).view(-1, 1, l, d)
+        def gather(batch, kv_head, chunk):
+            rows = (batch * hkv + kv_head) * count + chunk
+            return (keys.index_select(0, rows).view(-1, 1, chunk_size, d),
+                    values.index_select(0, rows).view(-1, 1, chunk_size, d))
 
         return gather
 
-    def gather(eb, eh, ec):
-        index = (eb[:, None], eh[:, None], ((ec * l)[:, None] + torch.arange(l, device=k.device)).clamp(max=nk - 1))
-        return rerotate(k[index], -(ec * l)[:, None], inv_freq).unsqueeze(1), v[index].unsqueeze(1)
+    def gather(batch, kv_head, chunk):
+        positions = ((chunk * chunk_size)[:, None] + torch.arange(chunk_size, device=k.device)).clamp(max=nk - 1)
+        index = (batch[:, None], kv_head[:, None], positions)
+        return rerotate(k[index], -(chunk * chunk_size)[:, None], inv_freq).unsqueeze(1), v[index].unsqueeze(1)
 
     return gather
 
 
-def _plan(start: int, nk: int, l: int, k_chunks: int, bh: int, d: int) -> tuple[int, list[list[tuple[int, int]]]]:
+def _plan(*, start: int, nk: int, chunk_size: int, chunks: int, batch_heads: int,
+          head_dim: int) -> tuple[int, list[list[tuple[int, int]]]]:
     """Rows per block n and the blocks ``(chunk m, sub-block a)`` of each step: block (m, a)
     holds rows m·l + a·n .. m·l + a·n + n - 1 (those in the call and in chunk m are real).
     A step's size is bounded from above: a block gathers at most min(m, n·(k-1)) chunks
     besides its own, each with n×l scores and l keys and values."""
 
-    def cost(m: int, n: int) -> int:
-        return bh * ((min(m, n * (k_chunks - 1)) + 1) * l * (n + 2 * d) + n * (k_chunks * d + m + 1))
+    def cost(chunk: int, per_block: int) -> int:
+        gathered = min(chunk, per_block * (chunks - 1)) + 1
+        return batch_heads * (gathered * chunk_size * (per_block + 2 * head_dim) + per_block * (chunks * head_dim + chunk + 1))
 
-    n = l
-    while n > 1 and cost((nk - 1) // l, n) > _BLOCK_ELEMENTS:
-        n = (n + 1) // 2
-    per_chunk = -(-l // n)
-    first, last = (start // l * per_chunk + start % l // n, (nk - 1) // l * per_chunk + (nk - 1) % l // n)
+    per_block = chunk_size
+    while per_block > 1 and cost((nk - 1) // chunk_size, per_block) > _BLOCK_ELEMENTS:
+        per_block = (per_block + 1) // 2
+    per_chunk = -(-chunk_size // per_block)
+
+    def block_number(position: int) -> int:
+        return position // chunk_size * per_chunk + position % chunk_size // per_block
+
     steps, size = [[]], 0
-    for block in (divmod(i, per_chunk) for i in range(first, last + 1)):
-        c = cost(block[0], n)
-        if steps[-1] and size + c > _BLOCK_ELEMENTS:
+    for block in (divmod(i, per_chunk) for i in range(block_number(start), block_number(nk - 1) + 1)):
+        block_cost = cost(block[0], per_block)
+        if steps[-1] and size + block_cost > _BLOCK_ELEMENTS:
             steps.append([])
             size = 0
         steps[-1].append(block)
-        size += c
-    return n, steps
+        size += block_cost
+    return per_block, steps
 
 
-def _step(q, q_raw, reps, gather, groups, blocks, n, start, l, k_chunks, inv_freq, scale, keep_previous, backend) -> torch.Tensor:
-    """Output (B,H,rows,D) of the real rows of ``blocks``.
+@dataclass(frozen=True, kw_only=True)
+class _Call:
+    """What every step of one :func:`longheads_attention` call shares."""
+
+    q: torch.Tensor  # (B,H,Nq,D) rotated at the true positions
+    q_raw: torch.Tensor  # the same without RoPE, fp32: what chunks are scored with
+    reps: torch.Tensor  # (B,H,>=M,D) the complete chunks' representations
+    gather: Callable[..., tuple[torch.Tensor, torch.Tensor]]  # from _chunk_gather
+    groups: int  # query heads per KV head
+    start: int  # the first query's position
+    chunk_size: int
+    chunks: int
+    inv_freq: Optional[torch.Tensor]
+    scale: float
+    keep_previous: bool
+    backend: str
+
+
+def _step(call: _Call, blocks: list[tuple[int, int]], per_block: int) -> torch.Tensor:
+    """Output (B,H,rows,D) of the real rows of ``blocks``, ``per_block`` rows each.
 
     Each (batch, head, block) gathers the union of the earlier chunks its rows chose (a few
     times k, not N/l) once, and attends all its rows to each with one fused call
@@ -249,50 +263,58 @@ def _step(q, q_raw, reps, gather, groups, blocks, n, start, l, k_chunks, inv_fre
     Re-positioning happens in the chunk-local frame: keys are rotated back by their chunk's
     start, the query by its own chunk's start and forward by (R - r)·l for slot r (0 for its
     own chunk), so a row has only k query rotations, whose angles form a k-row table."""
+    q, size, chunks, gather = call.q, call.chunk_size, call.chunks, call.gather
     b, h, nq, d = q.shape
-    nk, dev = start + nq, q.device
-    m = torch.tensor([blk[0] for blk in blocks], device=dev)
-    sub = torch.tensor([blk[1] for blk in blocks], device=dev)
-    offsets = torch.arange(n, device=dev)
-    local = sub[:, None] * n + offsets  # (G,n) row within its chunk
-    pos = m[:, None] * l + local
-    real = (local < l) & (pos >= start) & (pos < nk)
-    rows = (pos.clamp(start, nk - 1) - start).flatten()  # padding repeats a real row
-    top = blocks[-1][0]
-    block_rows = lambda x: x.index_select(2, rows).view(b, h, len(blocks), n, d)  # noqa: E731
-    scores = torch.einsum("bhgid,bhcd->bhgic", block_rows(q_raw), reps[:, :, :top].float())
-    chosen = select_chunks(scores, m[:, None], k_chunks, keep_previous)  # (B,H,G,n,top)
+    nk, dev, count = call.start + nq, q.device, len(blocks)
+    block_chunk = torch.tensor([blk[0] for blk in blocks], device=dev)
+    block_part = torch.tensor([blk[1] for blk in blocks], device=dev)
+    offsets = torch.arange(per_block, device=dev)
+    local = block_part[:, None] * per_block + offsets  # (G,n) row within its chunk
+    pos = block_chunk[:, None] * size + local
+    real = (local < size) & (pos >= call.start) & (pos < nk)
+    row_index = (pos.clamp(call.start, nk - 1) - call.start).flatten()  # padding repeats a real row
+
+    def by_block(x: torch.Tensor) -> torch.Tensor:
+        return x.index_select(2, row_index).view(b, h, count, per_block, d)
+
+    scores = torch.einsum("bhgid,bhcd->bhgic", by_block(call.q_raw), call.reps[:, :, : blocks[-1][0]].float())
+    chosen = select_chunks(scores, block_chunk[:, None], chunks, call.keep_previous)  # (B,H,G,n,top)
     # (G,B,H,n,k,D): the query re-positioned for each of the k possible shifts. A rotation is
     # linear, so one batched matmul per block applies its k rotations (rotated identities)
-    shifts = (torch.arange(k_chunks, device=dev) - m[:, None]) * l  # (G,k)
-    table = rerotate(torch.eye(d, device=dev).expand(len(blocks), k_chunks, d, d), shifts[..., None], inv_freq)
+    shifts = (torch.arange(chunks, device=dev) - block_chunk[:, None]) * size  # (G,k)
+    table = rerotate(torch.eye(d, device=dev).expand(count, chunks, d, d), shifts[..., None], call.inv_freq)
     queries = torch.bmm(
-        block_rows(q).float().permute(2, 0, 1, 3, 4).reshape(len(blocks), -1, d), table.transpose(1, 2).reshape(len(blocks), d, -1)
-    ).to(q.dtype).view(len(blocks), b, h, n, k_chunks, d)
+        by_block(q).float().permute(2, 0, 1, 3, 4).reshape(count, -1, d), table.transpose(1, 2).reshape(count, d, -1)
+    ).to(q.dtype).view(count, b, h, per_block, chunks, d)
     # own chunk: shift 0, causal from the block's first row on; one call per sub-block offset
-    segments = torch.arange(b * h * len(blocks), device=dev)
-    sb, sh, sg = segments // (h * len(blocks)), segments // len(blocks) % h, segments % len(blocks)
-    own_q = queries[..., 0, :].permute(1, 2, 0, 3, 4).reshape(-1, 1, n, d)
-    own_out, own_lse = (own_q.new_empty(len(segments), n, *dims, dtype=torch.float32) for dims in ((d,), ()))
-    for a in sorted({blk[1] for blk in blocks}):
-        idx = (sub[sg] == a).nonzero().squeeze(-1)
-        o, lse = attend_lse(own_q[idx], *gather(sb[idx], sh[idx] // groups, m[sg[idx]]), scale, a * n, backend, l)
-        own_out[idx], own_lse[idx] = o[:, 0].float(), lse[:, 0].float()
+    segments = torch.arange(b * h * count, device=dev)
+    seg_batch, seg_head, seg_block = segments // (h * count), segments // count % h, segments % count
+    own_q = queries[..., 0, :].permute(1, 2, 0, 3, 4).reshape(-1, 1, per_block, d)
+    own_out, own_lse = (own_q.new_empty(len(segments), per_block, *dims, dtype=torch.float32) for dims in ((d,), ()))
+    for part in sorted({blk[1] for blk in blocks}):
+        idx = (block_part[seg_block] == part).nonzero().squeeze(-1)
+        keys, values = gather(seg_batch[idx], seg_head[idx] // call.groups, block_chunk[seg_block[idx]])
+        out, lse = attend_lse(own_q[idx], keys, values, scale=call.scale, offset=part * per_block, backend=call.backend,
+                              block=size)
+        own_out[idx], own_lse[idx] = out[:, 0].float(), lse[:, 0].float()
     member = chosen.any(-2)
-    eb, eh, eg, ec = member.nonzero(as_tuple=True)  # union entries (batch, head, block, chunk), grouped by segment
-    if not len(eb):  # only chunk 0 in this step
-        return own_out.view(b, h, len(blocks), n, d)[:, :, real]
+    # union entries (batch, head, block, chunk), grouped by segment
+    entry_batch, entry_head, entry_block, entry_chunk = member.nonzero(as_tuple=True)
+    if not len(entry_batch):  # only chunk 0 in this step
+        return own_out.view(b, h, count, per_block, d)[:, :, real]
     lengths = member.sum(-1).flatten()  # entries per segment (batch, head, block)
     shift = chosen.sum(-1, keepdim=True) - chosen.cumsum(-1) + 1  # R - r for the chunk in slot r
-    chosen, shift = (x.permute(0, 1, 2, 4, 3)[eb, eh, eg, ec] for x in (chosen, shift))  # (E,n)
-    segment = (eb * h + eh) * len(blocks) + eg
-    flat = ((((eg * b + eb) * h + eh)[:, None] * n + offsets) * k_chunks + shift).flatten()  # always in 1..R
-    qe = queries.reshape(-1, d).index_select(0, flat).view(-1, 1, n, d)  # (E,1,n,D)
-    out, lse = attend_lse(qe, *gather(eb, eh // groups, ec), scale, None, backend, l)
+    entry = (entry_batch, entry_head, entry_block, entry_chunk)
+    chosen, shift = (x.permute(0, 1, 2, 4, 3)[entry] for x in (chosen, shift))  # (E,n)
+    segment = (entry_batch * h + entry_head) * count + entry_block
+    flat = ((((entry_block * b + entry_batch) * h + entry_head)[:, None] * per_block + offsets) * chunks + shift).flatten()
+    entry_q = queries.reshape(-1, d).index_select(0, flat).view(-1, 1, per_block, d)  # (E,1,n,D), shift always in 1..R
+    keys, values = gather(entry_batch, entry_head // call.groups, entry_chunk)
+    out, lse = attend_lse(entry_q, keys, values, scale=call.scale, offset=None, backend=call.backend, block=size)
     lse = lse[:, 0].float().masked_fill_(~chosen, float("-inf"))  # a row keeps only the chunks it chose
     top_lse = torch.maximum(torch.segment_reduce(lse, "max", lengths=lengths), own_lse)
-    w, w_own = (lse - top_lse.index_select(0, segment)).exp_(), (own_lse - top_lse).exp_()
+    weight, own_weight = (lse - top_lse.index_select(0, segment)).exp_(), (own_lse - top_lse).exp_()
     # sums over a segment's entries: index_add_ runs several times faster than segment_reduce
-    total = w_own.index_add(0, segment, w)
-    mixed = (own_out * w_own[..., None]).index_add_(0, segment, out[:, 0].float().mul_(w[..., None]))
-    return (mixed / total[..., None]).view(b, h, len(blocks), n, d)[:, :, real]
+    total = own_weight.index_add(0, segment, weight)
+    mixed = (own_out * own_weight[..., None]).index_add_(0, segment, out[:, 0].float().mul_(weight[..., None]))
+    return (mixed / total[..., None]).view(b, h, count, per_block, d)[:, :, real]

@@ -12,7 +12,8 @@ from typing import Any, Optional, Sequence, Union
 import torch
 import torch.nn.functional as F
 
-from attn_patterns.base import PATTERNS, Keys, Pattern, check_int, chunk_size, register
+from attn_patterns.base import PATTERNS, Keys, Pattern, chunk_size, register
+from attn_patterns.checks import check_int
 from attn_patterns.kernels import BACKENDS, block_attention, chunk, unchunk
 
 
@@ -21,19 +22,19 @@ def _one_block(x: torch.Tensor) -> torch.Tensor:
 
 
 def causal_attention(q, k, v, backend: str) -> torch.Tensor:
-    return block_attention(_one_block(q), _one_block(k), _one_block(v), 0, backend).squeeze(2)
+    return block_attention(_one_block(q), _one_block(k), _one_block(v), offset=0, backend=backend).squeeze(2)
 
 
-def local_attention(q, k, v, w: int, backend: str) -> torch.Tensor:
-    """Causal inside consecutive chunks of w; a partial last chunk runs on its own rather
-    than padded, so whole chunks stay zero-copy views."""
-    n = q.shape[2]
+def local_attention(q, k, v, *, chunk_len: int, backend: str) -> torch.Tensor:
+    """Causal inside consecutive chunks of ``chunk_len`` (w); a partial last chunk runs on its
+    own rather than padded, so whole chunks stay zero-copy views."""
+    n, w = q.shape[2], chunk_len
     whole = n // w * w
     if whole == n:
-        return unchunk(block_attention(chunk(q, w), chunk(k, w), chunk(v, w), 0, backend), n)
+        return unchunk(block_attention(chunk(q, w), chunk(k, w), chunk(v, w), offset=0, backend=backend), n)
     sizes = [whole, n - whole] if whole else [n]
     parts = [x.split(sizes, dim=2) for x in (q, k, v)]
-    outs = [local_attention(*(p[0] for p in parts), w, backend)] if whole else []
+    outs = [local_attention(*(p[0] for p in parts), chunk_len=w, backend=backend)] if whole else []
     outs.append(causal_attention(*(p[-1] for p in parts), backend))
     return torch.cat(outs, dim=2)
 
@@ -52,9 +53,10 @@ class _Builtin(Pattern):
 
 @register
 class Causal(_Builtin):
-    """``full``: every earlier key."""
+    """``causal``: every earlier key, on the toolkit's kernels (the model's own attention is
+    the method ``full``)."""
 
-    name = "full"
+    name = "causal"
     head_invariant = True
 
     def __init__(self, backend: Optional[str] = None) -> None:
@@ -90,7 +92,7 @@ class Local(_Chunked):
         return lo, lo + w - 1, torch.ones_like(i)
 
     def forward(self, q, k, v, backend):
-        return local_attention(q, k, v, self.sizes(q.shape[2])[0], backend)
+        return local_attention(q, k, v, chunk_len=self.sizes(q.shape[2])[0], backend=backend)
 
 
 class ShiftedChunks(_Chunked):
@@ -108,11 +110,11 @@ class ShiftedChunks(_Chunked):
         n = q.shape[2]
         w, g = self.sizes(n)
         if g == 0 or n <= g:
-            return local_attention(q, k, v, w, backend)
+            return local_attention(q, k, v, chunk_len=w, backend=backend)
         # the partial first chunk [0, g), then ordinary chunks from g on (split: no copies)
         (q0, q1), (k0, k1), (v0, v1) = (x.split([g, n - g], dim=2) for x in (q, k, v))
         first = causal_attention(q0, k0, v0, backend)
-        return torch.cat([first, local_attention(q1, k1, v1, w, backend)], dim=2)
+        return torch.cat([first, local_attention(q1, k1, v1, chunk_len=w, backend=backend)], dim=2)
 
 
 class RolledKeys(_Chunked):
@@ -131,16 +133,16 @@ class RolledKeys(_Chunked):
         n = q.shape[2]
         w, g = self.sizes(n)
         if g == 0:
-            return local_attention(q, k, v, w, backend)
+            return local_attention(q, k, v, chunk_len=w, backend=backend)
         qc = chunk(q, w)
         blocks = qc.shape[2]
         (k0, k1), (v0, v1) = (x.split([w - g, n - w + g], dim=2) for x in (k, v))
         q0, q1 = qc.split([1, blocks - 1], dim=2)
-        first = block_attention(q0, _one_block(k0), _one_block(v0), 0, backend)
+        first = block_attention(q0, _one_block(k0), _one_block(v0), offset=0, backend=backend)
         if blocks == 1:
             return unchunk(first, n)
         kc, vc = (chunk(x, w)[:, :, : blocks - 1] for x in (k1, v1))
-        rest = block_attention(q1, kc, vc, g, backend)
+        rest = block_attention(q1, kc, vc, offset=g, backend=backend)
         return unchunk(torch.cat([first, rest], dim=2), n)
 
 
@@ -170,11 +172,11 @@ class LaggedChunk(_Chunked):
         blocks = qc.shape[2]
         own = min(self.lag, blocks) if self.lag else blocks
         if own == blocks:
-            return unchunk(block_attention(qc, kc, vc, 0, backend), n)
+            return unchunk(block_attention(qc, kc, vc, offset=0, backend=backend), n)
         q0, q1 = qc.split([own, blocks - own], dim=2)
-        first = block_attention(q0, kc[:, :, :own], vc[:, :, :own], 0, backend)
+        first = block_attention(q0, kc[:, :, :own], vc[:, :, :own], offset=0, backend=backend)
         src = slice(0, blocks - self.lag)
-        rest = block_attention(q1, kc[:, :, src], vc[:, :, src], None, backend)
+        rest = block_attention(q1, kc[:, :, src], vc[:, :, src], offset=None, backend=backend)
         return unchunk(torch.cat([first, rest], dim=2), n)
 
 
@@ -198,9 +200,9 @@ class Dilated(_Builtin):
         return lo, hi, torch.full_like(i, self.dilation)
 
     def forward(self, q, k, v, backend):
-        return self.forward_heads(q, k, v, backend, 0, q.shape[1])
+        return self.forward_heads(q, k, v, backend, offset=0, total=q.shape[1])
 
-    def forward_heads(self, q, k, v, backend, offset, total):
+    def forward_heads(self, q, k, v, backend, *, offset, total):
         # View the sequence as (M, dilation) and let head h take column (offset + h) % dilation
         # of its own q and of its K/V head h // groups: one causal call for all heads, K/V
         # never repeated. Tail padding sits after every real token, so it is invisible to real
@@ -235,6 +237,7 @@ class Mixed(_Builtin):
         self,
         parts: Sequence[tuple[PatternSpec, float]],
         backend: Optional[str] = None,
+        *,
         name: str = "mixed",
         head_multiple: int = 1,
         head_rule: str = "",
@@ -291,18 +294,19 @@ class Mixed(_Builtin):
             lo, hi, step = (torch.where(inside, new, old) for new, old in ((p_lo, lo), (p_hi, hi), (p_step, step)))
         return lo, hi, step
 
-    def rule(self, h, i, j, n, num_heads):
+    def rule(self, h, i, j, *, n, num_heads):
         """Each part's own rule on its heads (works for parts stated as a mask_mod only)."""
         out = None
         for pattern, start, end in self.split(num_heads):
-            own = ((h >= start) & (h < end)) & pattern.rule((h - start).clamp(0, end - start - 1), i, j, n, end - start)
+            local = (h - start).clamp(0, end - start - 1)
+            own = ((h >= start) & (h < end)) & pattern.rule(local, i, j, n=n, num_heads=end - start)
             out = own if out is None else out | own
         return out
 
     def forward(self, q, k, v, backend):
-        return self.forward_heads(q, k, v, backend, 0, q.shape[1])
+        return self.forward_heads(q, k, v, backend, offset=0, total=q.shape[1])
 
-    def forward_heads(self, q, k, v, backend, offset, total):
+    def forward_heads(self, q, k, v, backend, *, offset, total):
         # each part's share of heads [offset, last), as local heads [s, e) and the part's own
         # heads [s + offset - start, ...) of its end - start
         last = offset + q.shape[1]
@@ -315,12 +319,12 @@ class Mixed(_Builtin):
         if all(p.native_gqa and s % groups == 0 and e % groups == 0 for p, s, e, _, _ in spans):
             kvs = zip(*(x.split([n // groups for n in sizes], dim=1) for x in (k, v)))
         else:
-            kvs = (_kv_heads(k, v, s, e, groups, p.native_gqa) for p, s, e, _, _ in spans)
-        return torch.cat([p.forward_heads(qh, *kv, backend, s + offset - start, end - start)
+            kvs = (_kv_heads(k, v, start=s, end=e, groups=groups, native=p.native_gqa) for p, s, e, _, _ in spans)
+        return torch.cat([p.forward_heads(qh, *kv, backend, offset=s + offset - start, total=end - start)
                           for (p, s, _, start, end), qh, kv in zip(spans, qs, kvs)], dim=1)
 
 
-def _kv_heads(k, v, start: int, end: int, groups: int, native: bool):
+def _kv_heads(k, v, *, start: int, end: int, groups: int, native: bool):
     """K/V for query heads ``[start, end)``: the KV heads they read, as they are when the
     slice covers whole KV groups or lies inside one; repeated only when it cuts across a
     group boundary or the sub-pattern needs one K/V head per query head."""
@@ -337,14 +341,16 @@ def _kv_heads(k, v, start: int, end: int, groups: int, native: bool):
 def s2(chunks: int = 4, backend: Optional[str] = None) -> Mixed:
     """LongLoRA S²: half the heads in chunks, half in chunks shifted by g."""
     parts = [(Local(chunks), 0.5), (ShiftedChunks(chunks), 0.5)]
-    return Mixed(parts, backend, "s2", 2, "half the heads in chunks, half in shifted chunks", chunks=chunks)
+    return Mixed(parts, backend, name="s2", head_multiple=2, head_rule="half the heads in chunks, half in shifted chunks",
+                 chunks=chunks)
 
 
 @register
 def scca_fixed(chunks: int = 4, backend: Optional[str] = None) -> Mixed:
     """SCCA fixed: heads [0, H/2) see keys rolled by g, heads [H/2, H) their own chunk."""
     parts = [(RolledKeys(chunks), 0.5), (Local(chunks), 0.5)]
-    return Mixed(parts, backend, "scca_fixed", 2, "half the heads on shifted keys, half in chunks", chunks=chunks)
+    return Mixed(parts, backend, name="scca_fixed", head_multiple=2,
+                 head_rule="half the heads on shifted keys, half in chunks", chunks=chunks)
 
 
 @register
@@ -354,7 +360,7 @@ def scca_flow(chunks: int = 4, backend: Optional[str] = None) -> Mixed:
     check_int("chunks", chunks, "scca_flow")
     parts = [(LaggedChunk(chunks, lag), 1.0 / chunks) for lag in range(chunks)]
     rule = f"one group of num_heads/chunks heads per look-back 0..{chunks - 1}; lower chunks or change heads"
-    return Mixed(parts, backend, "scca_flow", chunks, rule, chunks=chunks)
+    return Mixed(parts, backend, name="scca_flow", head_multiple=chunks, head_rule=rule, chunks=chunks)
 
 
 @register
@@ -363,7 +369,7 @@ def longmixed(chunks: int = 4, backend: Optional[str] = None) -> Mixed:
     (the paper's 8 / 8 / 16 of 32 heads)."""
     parts = [(scca_fixed(chunks), 0.25), (Dilated(2), 0.25), (Dilated(4), 0.5)]
     rule = "heads split H/4 | H/4 | H/2 into scca_fixed | sda 2 | sda 4, and scca_fixed halves its heads"
-    return Mixed(parts, backend, "longmixed", 8, rule, chunks=chunks)
+    return Mixed(parts, backend, name="longmixed", head_multiple=8, head_rule=rule, chunks=chunks)
 
 
 @register

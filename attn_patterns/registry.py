@@ -1,15 +1,18 @@
-"""Name -> factory tables, one per layer (attention patterns here, methods in
-``sparse_ft.methods``), filled where things are defined::
+"""Name -> factory tables, one per kind of thing (attention patterns and algorithms here,
+methods in ``sparse_ft.methods``), filled where things are defined::
 
     @PATTERNS.register                 # a class: registered under its ``name``
-    class Causal(Pattern): name = "full"
+    class Causal(Pattern): name = "causal"
 
     @PATTERNS.register                 # a function: registered under its own name
     def s2(chunks: int = 4, backend: str | None = None) -> Pattern: ...
 
 A factory's keyword parameters are the parameters a user may pass: :meth:`Registry.get`
 checks names against its signature, so a typo in a recipe fails with the allowed list.
-This module imports nothing of its package, so any layer can own a registry.
+A name is taken once: registering it again is refused (as PEFT and lm-evaluation-harness
+refuse theirs), so a second definition can never silently replace the one every recipe,
+``--method`` and table reads. This module imports nothing of its package, so any layer can
+own a registry.
 """
 
 from __future__ import annotations
@@ -18,6 +21,12 @@ import inspect
 from typing import Any, Callable, Generic, Optional, TypeVar
 
 T = TypeVar("T")
+
+
+def origin(factory: Callable[..., Any]) -> str:
+    """Where a factory was defined, ``module.qualname``: what a duplicate-name error names."""
+    module = getattr(factory, "__module__", None) or "?"
+    return f"{module}.{getattr(factory, '__qualname__', repr(factory))}"
 
 
 class Registry(Generic[T]):
@@ -30,8 +39,9 @@ class Registry(Generic[T]):
 
     def register(self, factory: "Callable[..., T] | str | None" = None, *, name: Optional[str] = None) -> Any:
         """Add ``factory`` under ``name`` (default: a class's ``name`` attribute, a function's
-        ``__name__``), replacing an earlier one; usable bare, as ``register("name")`` or as
-        ``register(name=...)`` decorators, or called with the factory."""
+        ``__name__``); usable bare, as ``register("name")`` or as ``register(name=...)``
+        decorators, or called with the factory. A name already taken raises ValueError
+        naming both definitions; :meth:`remove` frees it first."""
         if isinstance(factory, str):
             factory, name = None, factory
 
@@ -39,6 +49,11 @@ class Registry(Generic[T]):
             key = name or (f.__dict__.get("name") if isinstance(f, type) else None) or f.__name__
             if not isinstance(key, str) or not key:
                 raise ValueError(f"{self.kind} name={key!r} must be a non-empty string")
+            if key in self._factories:
+                raise ValueError(
+                    f"{self.kind} name {key!r} is already taken by {origin(self._factories[key])}; refusing to "
+                    f"replace it with {origin(f)}: register that under another name (or remove {key!r} first)"
+                )
             self._factories[key] = f
             return f
 

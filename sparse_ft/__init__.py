@@ -9,11 +9,15 @@ from typing import Any
 __version__ = "0.1.0"
 
 
-def use_attention(model: Any, name: Any, **params: Any) -> Any:
-    """Switch every attention layer of a loaded transformers model to pattern ``name``."""
-    from sparse_ft.attention import use_attention as _use_attention
+def use_attention(model: Any, spec: Any, **params: Any) -> Any:
+    """Switch every attention layer of a loaded transformers model to ``spec``: a name with
+    ``params`` (any of ``sparse_ft.methods.names()``), a Method, or a Pattern object.
+    ``"full"`` switches back to the model's own attention, logits bit-identical to before.
+    Returns the model. The name is resolved by the methods, the method installed by
+    ``sparse_ft.attention``, which knows no names."""
+    from sparse_ft import attention, methods
 
-    return _use_attention(model, name, **params)
+    return attention.use_attention(model, methods.resolve(spec, "pattern", **params))
 
 
 __all__ = ["use_attention", "__version__"]

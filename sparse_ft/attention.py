@@ -1,25 +1,38 @@
-"""Plug any method (``sparse_ft.methods``) into any transformers causal LM through its
-AttentionInterface.
+"""Install a ready method into any transformers causal LM through its AttentionInterface.
 
 No model class is patched: one attention function named ``sparse_ft`` is registered with
 transformers, the model is switched to it with its own ``set_attn_implementation``, and each
 attention layer carries the method it uses (so two models in one process can differ). The
 mask interface hands the function the 2-D padding mask instead of an N×N one.
+
+The seam is one-way: ``sparse_ft.methods`` imports this module, never the reverse. This
+module installs objects and knows no names; turning a name into a method is the methods'
+job (``sparse_ft.methods.get``), and ``sparse_ft.use_attention`` does both in one call.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
-
-if TYPE_CHECKING:  # sparse_ft.methods imports this module: at run time it is imported on use
-    from attn_patterns import Pattern
-    from sparse_ft.methods import Method
 
 IMPLEMENTATION = "sparse_ft"
 _METHOD_ATTR = "_sparse_ft_method"
 _ORIGINAL_ATTR = "_sparse_ft_original_attn"
+
+
+class AttentionMethod(Protocol):
+    """What the installer needs of a method (``sparse_ft.methods.Method`` is one), stated
+    here so that this module needs nothing above it. transformers calls the method as its
+    attention function, the first five arguments positionally."""
+
+    name: str
+    replaces_attention: bool  # False: the model's own attention runs, restored on install
+
+    def __call__(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attention_mask: Optional[torch.Tensor], **kwargs: Any) -> tuple[torch.Tensor, None]: ...
+
+    def check_model(self, config: Any) -> None: ...
 
 
 def sparse_ft_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -28,7 +41,7 @@ def sparse_ft_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     return _method_of(module)(module, query, key, value, attention_mask, **kwargs)
 
 
-def _method_of(module: torch.nn.Module) -> Method:
+def _method_of(module: torch.nn.Module) -> AttentionMethod:
     method = getattr(module, _METHOD_ATTR, None)
     if method is None:
         raise ValueError(
@@ -81,16 +94,19 @@ def _check_supported(base: torch.nn.Module, layers: list[torch.nn.Module]) -> No
         raise ValueError(f"{type(base).__name__} has non-causal attention layers; patterns are for causal decoders")
 
 
-def use_attention(model: torch.nn.Module, spec: "str | Method | Pattern", **params: Any) -> torch.nn.Module:
-    """Switch every attention layer of ``model`` to a method: a name with ``params`` (any of
-    ``sparse_ft.methods.names()``), a Method, or a static Pattern object. ``"full"`` switches
-    back to the model's own implementation (sdpa, eager, ...), whose logits are then
-    bit-identical to before. Returns the model."""
-    from sparse_ft import methods
-
+def use_attention(model: torch.nn.Module, method: AttentionMethod) -> torch.nn.Module:
+    """Switch every attention layer of ``model`` to a ready ``method``. A method that leaves
+    attention to the model (``replaces_attention = False``: the method ``full``, RoPE
+    scaling) switches back to the model's own implementation (sdpa, eager, ...), whose
+    logits are then bit-identical to before. Names go through ``sparse_ft.use_attention``.
+    Returns the model."""
     from transformers import PreTrainedModel
 
-    method = methods.resolve(spec, "pattern", **params)
+    if not (callable(method) and hasattr(method, "replaces_attention") and hasattr(method, "check_model")):
+        raise ValueError(
+            f"sparse_ft.attention.use_attention installs a ready method (a sparse_ft.methods.Method), got {method!r}; "
+            "a name or a pattern goes through sparse_ft.use_attention(model, name, **params)"
+        )
     base = pretrained(model)
     if not isinstance(base, PreTrainedModel):
         raise ValueError(f"{type(model).__name__} contains no transformers PreTrainedModel")
@@ -124,6 +140,6 @@ def _set_implementation(model, implementation: str) -> None:
         model.config._attn_implementation = implementation
 
 
-def current_method(model: torch.nn.Module) -> Optional[Method]:
+def current_method(model: torch.nn.Module) -> Optional[AttentionMethod]:
     """The method the model's layers use, or None for the model's own attention."""
     return getattr(attention_layers(pretrained(model))[0], _METHOD_ATTR, None)

@@ -1,5 +1,5 @@
-"""docs/architecture.md, checked: the layers import only what the table allows, and its two
-walkthroughs (a new pattern, a new training-free method) work end to end from one
+"""docs/architecture.md, checked: the layers import only what the table allows, no module is
+in an import cycle, and its two walkthroughs (a new pattern, a new training-free method) work end to end from one
 registration each: use_attention, a recipe's training run and ``eval ppl``."""
 
 import ast
@@ -21,12 +21,13 @@ from sparse_ft.train.trainer import train
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# The layers of docs/architecture.md, lowest first, each a list of groups of modules: a module
-# may import its own group and lower layers, never a group beside it or a layer above.
+# The layers of docs/architecture.md, lowest first, each a list of groups (a package or one
+# module): a module may import its own group and lower layers, never a group beside it or a
+# layer above. sparse_ft.attention sits below sparse_ft.methods: the seam is one-way.
 LAYERS = [
     [("attn_patterns",)],
-    [("sparse_ft.rope",), ("sparse_ft.tiny",), ("sparse_ft.quantization",), ("sparse_ft.outputs",)],
-    [("sparse_ft.methods", "sparse_ft.attention")],
+    [("sparse_ft.rope",), ("sparse_ft.tiny",), ("sparse_ft.quantization",), ("sparse_ft.outputs",), ("sparse_ft.attention",)],
+    [("sparse_ft.methods",)],
     [("sparse_ft.models",), ("sparse_ft.data",)],
     [("sparse_ft.config",)],
     [("sparse_ft.evaluation",), ("sparse_ft.train",)],
@@ -41,22 +42,70 @@ def _layer(module: str):
     return len(LAYERS), module  # applications: cli, merge, pretrain, experiment, bench
 
 
-def _imports(path: Path, module: str):
-    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            yield from (alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
-            yield base
-            yield from (f"{base}.{alias.name}" for alias in node.names)
-
-
-def _modules():
+def _modules() -> dict[str, Path]:
+    found = {}
     for path in sorted([*ROOT.glob("attn_patterns/**/*.py"), *ROOT.glob("sparse_ft/**/*.py")]):
-        yield path, ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        found[".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")] = path
+    return found
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the project modules it imports, every import statement counted (inside
+    functions and ``TYPE_CHECKING`` blocks too: a lazy import is still a dependency). An
+    import of ``a.b.c`` is an edge to ``a.b.c``, the module whose code runs, and ``from a.b
+    import c`` to ``a.b.c`` when that is a module, else to ``a.b``."""
+    modules = _modules()
+
+    def resolve(name: str) -> str:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name
+
+    graph = {}
+    for module, path in modules.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets.update(resolve(alias.name) for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")
+                    base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+                targets.update(resolve(f"{base}.{alias.name}") for alias in node.names)
+        graph[module] = targets - {"", module}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan): each holds at
+    least one import cycle."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for target in sorted(graph[module]):
+            if target not in index:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            component = []
+            while not component or component[-1] != module:
+                component.append(stack.pop())
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return found
 
 
 def test_every_module_imports_first():
@@ -64,7 +113,7 @@ def test_every_module_imports_first():
     import subprocess
     import sys
 
-    names = [module for _, module in _modules() if not module.endswith("__main__")]
+    names = [module for module in _modules() if not module.endswith("__main__")]
     code = (
         "import importlib, sys\n"
         f"for name in {names!r}:\n"
@@ -75,13 +124,31 @@ def test_every_module_imports_first():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
+def test_no_import_cycle_between_any_modules():
+    """Checked module by module, so no group of the layer table can hide a cycle inside it."""
+    cycles = _cycles(_import_graph())
+    assert not cycles, "import cycles:\n" + "\n".join(" <-> ".join(cycle) for cycle in cycles)
+
+
+def test_cycles_are_found():
+    """The check itself: a lazy import back into a module's importer is a cycle."""
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert _cycles(graph) == [["a", "b", "c"]]
+
+
+def test_attention_imports_no_method():
+    """The one-way seam: methods import the installer, which takes ready methods, knows no
+    names and imports nothing of sparse_ft.methods, not even inside a function."""
+    graph = _import_graph()
+    assert "sparse_ft.attention" in graph["sparse_ft.methods.base"]
+    assert not {t for t in graph["sparse_ft.attention"] if t.startswith("sparse_ft.methods")}
+
+
 def test_layers_import_only_what_the_architecture_allows():
     wrong = []
-    for path, module in _modules():
+    for module, targets in _import_graph().items():
         rank, group = _layer(module)
-        for target in _imports(path, module):
-            if not target.startswith(("attn_patterns", "sparse_ft.")):
-                continue
+        for target in targets:
             t_rank, t_group = _layer(target)
             if t_group != group and t_rank >= rank and t_rank < len(LAYERS):
                 wrong.append(f"{module} imports {target}")
@@ -98,7 +165,7 @@ class ToySink(Pattern):
         super().__init__(backend, window=window)
         self.window = window
 
-    def rule(self, h, i, j, n, num_heads):
+    def rule(self, h, i, j, *, n, num_heads):
         return (j == 0) | (i - j < self.window)
 
     def forward(self, q, k, v, backend):  # a toy's fast path: the dense reference itself

@@ -25,11 +25,15 @@ PARAMS = {
 }
 
 
+# every registered pattern and algorithm
+NAMES = [*attn_patterns.names(), *attn_patterns.algorithm_names()]
+
+
 def pattern_of(name):
-    """A static pattern as the Pattern object ("full" too then runs through our function);
-    the others (DCA, LongHeads) through their method."""
-    pattern = attn_patterns.get(name, **PARAMS.get(name, {}))
-    return pattern if pattern.static else methods.get(name, **PARAMS.get(name, {}))
+    """A pattern as the Pattern object ("causal" too runs through our function); an
+    algorithm (DCA, LongHeads) through its method."""
+    params = PARAMS.get(name, {})
+    return attn_patterns.get(name, **params) if name in attn_patterns.PATTERNS else methods.get(name, **params)
 
 
 def has_hook(pattern):
@@ -70,8 +74,8 @@ def logits_and_grad(model, ids):
 def test_every_pattern_matches_dense_reference_in_model(kind):
     model = build(kind)
     ids = ids_of((2, 29))
-    for name in attn_patterns.names():
-        pattern = pattern_of(name)  # a Pattern object: "full" too runs through our function
+    for name in NAMES:
+        pattern = pattern_of(name)  # a Pattern object: "causal" too runs through our function
         use_attention(model, pattern)
         fast = logits_and_grad(model, ids)
         if has_hook(pattern):
@@ -163,7 +167,7 @@ def test_two_models_use_their_own_patterns():
 def test_future_tokens_do_not_change_earlier_logits():
     model = build("qwen2")
     ids = ids_of((1, 33))
-    for name in attn_patterns.names():
+    for name in NAMES:
         use_attention(model, pattern_of(name))
         base = model(ids).logits
         for t in (4, 16, 30):
@@ -239,6 +243,34 @@ def test_peft_wrapped_and_gradient_checkpointed_model_trains():
     assert any(g.abs().sum() > 0 for g in grads)
     use_attention(peft_model, "full")
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_full_is_the_models_own_attention_and_causal_the_toolkits():
+    """One name, one meaning: ``full`` leaves attention to the model and takes no backend;
+    causal attention on the toolkit's kernels, with a backend, is the pattern ``causal``."""
+    assert not methods.get("full").replaces_attention
+    with pytest.raises(ValueError, match="--method full takes no --method-arg; got backend"):
+        methods.get("full", backend="sdpa")
+    assert methods.for_training("full", {}, "auto", "bfloat16")[1] is None  # the model picks its kernel
+    causal = methods.get("causal", backend="sdpa")
+    assert causal.replaces_attention and causal.pattern.backend == "sdpa"
+    model = build("llama")
+    ids = ids_of((1, 24))
+    own = model(ids).logits
+    torch.testing.assert_close(use_attention(model, causal)(ids).logits, own, atol=1e-5, rtol=1e-5)
+
+
+def test_the_installer_takes_ready_methods_and_names_resolve_with_the_methods():
+    """sparse_ft.attention knows no names (the one-way seam); an algorithm object needs its
+    method, which knows what the model must supply."""
+    from sparse_ft import attention
+
+    model = build("llama")
+    with pytest.raises(ValueError, match=r"installs a ready method.*sparse_ft.use_attention\(model, name, \*\*params\)"):
+        attention.use_attention(model, "s2")
+    with pytest.raises(ValueError, match=r"use its method: sparse_ft.methods.get\('dca', ...\)"):
+        use_attention(model, attn_patterns.get_algorithm("dca"))
+    assert current_method(attention.use_attention(model, methods.get("s2"))).name == "s2"
 
 
 def test_errors_name_the_problem():

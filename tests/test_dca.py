@@ -16,11 +16,11 @@ import pytest
 import torch
 
 import attn_patterns
-from attn_patterns import Pattern
+from attn_patterns import Algorithm
 from attn_patterns.dca import dca_attention
 from attn_patterns.rotary import default_inv_freq, rotate
-from sparse_ft import methods
-from sparse_ft.attention import current_method, use_attention
+from sparse_ft import methods, use_attention
+from sparse_ft.attention import current_method
 from sparse_ft.methods import Method
 from sparse_ft.methods.dca import SPARSE_KEYS, model_dca_config, params_from_config
 from sparse_ft.tiny import tiny_llama
@@ -71,7 +71,7 @@ def factor(variant: str, n: int, c: int) -> float:
     return (1 + {"chunkllama": 0.05, "qwen": 0.1}[variant] * math.log(n / c)) ** 2
 
 
-def want(p: Pattern, q, k, v) -> torch.Tensor:
+def want(p: Algorithm, q, k, v) -> torch.Tensor:
     n, d = q.shape[2], q.shape[-1]
     c = p.sizes()[2]
     return reference(q, k, v, p.relative_positions(n), default_inv_freq(d), factor(p.variant, n, c) / math.sqrt(d))
@@ -87,7 +87,7 @@ def qkv(b=2, h=4, hkv=2, n=23, d=16, seed=0, dtype=torch.float32):
 
 def test_relative_positions_figure_2():
     """The paper's Figure 2: s = 6, c = 10, w = 4, 12 tokens."""
-    rel = attn_patterns.get("dca", chunk_size=6, local_window=4, pretraining_length=10).relative_positions(12)
+    rel = attn_patterns.get_algorithm("dca", chunk_size=6, local_window=4, pretraining_length=10).relative_positions(12)
     assert rel[:6, :6].tolist() == torch.tensor([[i - j if j <= i else -1 for j in range(6)] for i in range(6)]).tolist()
     assert rel[6:10, :].max() <= 9
     assert rel[6].tolist()[:7] == [6, 5, 4, 3, 2, 1, 0]  # a = 0 < w: true distances
@@ -99,7 +99,7 @@ def test_relative_positions_figure_2():
 
 def test_relative_positions_equations():
     s, w, c, n = 5, 3, 9, 31
-    rel = attn_patterns.get("dca", chunk_size=s, local_window=w, pretraining_length=c).relative_positions(n)
+    rel = attn_patterns.get_algorithm("dca", chunk_size=s, local_window=w, pretraining_length=c).relative_positions(n)
     for i in range(n):
         for j in range(n):
             d, a, b = i // s - j // s, i % s, j % s
@@ -109,22 +109,22 @@ def test_relative_positions_equations():
 
 
 def test_defaults_follow_the_paper():
-    p = attn_patterns.get("dca", pretraining_length=4096)
+    p = attn_patterns.get_algorithm("dca", pretraining_length=4096)
     assert p.sizes() == (3072, 1024, 4096) and p.logit_scale == "none"
-    assert attn_patterns.get("dca").sizes(256) == (192, 64, 256)
+    assert attn_patterns.get_algorithm("dca").sizes(256) == (192, 64, 256)
 
 
 def test_variant_defaults_follow_their_code():
     """ChunkLlama's replace_with_chunkllama: s = 3c/4, w = c/8, its mscale; qwen: the same
     sizes without a model config, the engines' scale, and chunk_size = c allowed (Qwen's
     configs set chunk_size = original_max_position_embeddings)."""
-    chunkllama = attn_patterns.get("dca", pretraining_length=4096, variant="chunkllama")
+    chunkllama = attn_patterns.get_algorithm("dca", pretraining_length=4096, variant="chunkllama")
     assert chunkllama.sizes() == (3072, 512, 4096) and chunkllama.logit_scale == "chunkllama"
-    qwen = attn_patterns.get("dca", pretraining_length=4096, variant="qwen")
+    qwen = attn_patterns.get_algorithm("dca", pretraining_length=4096, variant="qwen")
     assert qwen.sizes() == (3072, 512, 4096) and qwen.logit_scale == "qwen"
-    assert attn_patterns.get("dca", chunk_size=262144, local_window=8192, pretraining_length=262144,
+    assert attn_patterns.get_algorithm("dca", chunk_size=262144, local_window=8192, pretraining_length=262144,
                              variant="qwen").sizes() == (262144, 8192, 262144)
-    assert attn_patterns.get("dca", pretraining_length=64, variant="qwen", logit_scale="none").logit_scale == "none"
+    assert attn_patterns.get_algorithm("dca", pretraining_length=64, variant="qwen", logit_scale="none").logit_scale == "none"
 
 
 def test_logit_factor_is_the_sources_formula():
@@ -135,7 +135,7 @@ def test_logit_factor_is_the_sources_formula():
     assert logit_factor("chunkllama", 64, 64) == logit_factor("qwen", 10, 64) == logit_factor("none", 1000, 64) == 1.0
     assert logit_factor("chunkllama", 256, 64) == pytest.approx(1.143434, abs=1e-6)
     assert logit_factor("qwen", 256, 64) == pytest.approx(1.296477, abs=1e-6)
-    p = attn_patterns.get("dca", pretraining_length=64, variant="qwen")
+    p = attn_patterns.get_algorithm("dca", pretraining_length=64, variant="qwen")
     assert p.scale(256, 16) == pytest.approx(1.296477 / 4, abs=1e-6)
     assert p.scale(256, 16, base=0.5) == pytest.approx(1.296477 / 2, abs=1e-6)
 
@@ -157,24 +157,24 @@ def test_logit_factor_is_the_sources_formula():
 )
 def test_parameters_are_validated(params, words):
     with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(".", r"\.")):
-        attn_patterns.get("dca", **params)
+        attn_patterns.get_algorithm("dca", **params)
 
 
 def test_mask_is_causal():
-    mask = attn_patterns.get("dca", pretraining_length=8).mask(10, 2)
+    mask = attn_patterns.get_algorithm("dca", pretraining_length=8).mask(10, 2)
     assert torch.equal(mask, torch.ones(2, 10, 10, dtype=torch.bool).tril().expand(2, 10, 10))
-    assert torch.equal(attn_patterns.get("dca", pretraining_length=8, pieces="intra+inter").mask(10, 2), mask)
+    assert torch.equal(attn_patterns.get_algorithm("dca", pretraining_length=8, pieces="intra+inter").mask(10, 2), mask)
 
 
 def test_ablation_positions_and_mask():
     """The paper's Figure 4 ablation: intra-chunk alone sees its own chunk only; intra + inter
     sees every key, the previous chunk from c - 1 like the others."""
     s, w, c, n = 5, 3, 9, 23
-    intra = attn_patterns.get("dca", chunk_size=s, local_window=w, pretraining_length=c, pieces="intra")
+    intra = attn_patterns.get_algorithm("dca", chunk_size=s, local_window=w, pretraining_length=c, pieces="intra")
     same_chunk = (torch.arange(n)[:, None] // s == torch.arange(n)[None, :] // s) & torch.ones(n, n, dtype=torch.bool).tril()
     assert torch.equal(intra.mask(n, 1)[0], same_chunk)
     assert torch.equal(intra.relative_positions(n) >= 0, same_chunk)
-    rel = attn_patterns.get("dca", chunk_size=s, local_window=w, pretraining_length=c, pieces="intra+inter").relative_positions(n)
+    rel = attn_patterns.get_algorithm("dca", chunk_size=s, local_window=w, pretraining_length=c, pieces="intra+inter").relative_positions(n)
     for i in range(n):
         for j in range(i + 1):
             want = i % s - j % s if i // s == j // s else c - 1 - j % s
@@ -192,7 +192,7 @@ def test_kernel_matches_reference(variant, backend, n):
     logit factor of the variant from 10 tokens on."""
     s, w, c = 6, 3, 10
     q, k, v = qkv(n=n)
-    p = attn_patterns.get("dca", chunk_size=s, local_window=w, pretraining_length=c, variant=variant)
+    p = attn_patterns.get_algorithm("dca", chunk_size=s, local_window=w, pretraining_length=c, variant=variant)
     torch.testing.assert_close(p(q, k, v, backend=backend).double(), want(p, q, k, v), atol=2e-5, rtol=1e-4)
 
 
@@ -201,7 +201,7 @@ def test_kernel_matches_reference(variant, backend, n):
 @pytest.mark.parametrize("pieces", ["intra", "intra+inter"])
 def test_ablation_kernel_matches_reference(backend, variant, pieces):
     q, k, v = qkv(n=31)
-    p = attn_patterns.get("dca", chunk_size=6, local_window=3, pretraining_length=10, variant=variant, pieces=pieces)
+    p = attn_patterns.get_algorithm("dca", chunk_size=6, local_window=3, pretraining_length=10, variant=variant, pieces=pieces)
     torch.testing.assert_close(p(q, k, v, backend=backend).double(), want(p, q, k, v), atol=2e-5, rtol=1e-4)
 
 
@@ -211,14 +211,14 @@ def test_chunkllama_variant_matches_its_positions(w):
     inter-chunk queries at min(2L - 1, s) (w = 4: L = 2, inter-chunk differs from successive)."""
     s, n = 6, 30
     L = s - w
-    p = attn_patterns.get("dca", chunk_size=s, local_window=w, pretraining_length=10, variant="chunkllama")
+    p = attn_patterns.get_algorithm("dca", chunk_size=s, local_window=w, pretraining_length=10, variant="chunkllama")
     rel = p.relative_positions(n)
     assert rel.max() <= s  # the authors' code clamps at the chunk size
     i = 4 * L + L - 1  # last row of chunk 4
     assert rel[i, 3 * L] == min(i % L + L, s) and rel[i, 0] == min(2 * L - 1, s)
     q, k, v = qkv(n=30)
     torch.testing.assert_close(p(q, k, v).double(), want(p, q, k, v), atol=2e-5, rtol=1e-4)
-    qwen = attn_patterns.get("dca", chunk_size=s, local_window=w, pretraining_length=10, variant="qwen")
+    qwen = attn_patterns.get_algorithm("dca", chunk_size=s, local_window=w, pretraining_length=10, variant="qwen")
     assert torch.equal(qwen.relative_positions(n), rel)  # the engines' tables are ChunkLlama's
 
 
@@ -231,13 +231,14 @@ def test_kernel_on_rotated_inputs_and_decoding(variant):
     inv = default_inv_freq(16)
     pos = torch.arange(n)
     q_rot, k_rot = rotate(q, pos, inv), rotate(k, pos, inv)
-    p = attn_patterns.get("dca", chunk_size=s, local_window=w, pretraining_length=c, variant=variant)
+    p = attn_patterns.get_algorithm("dca", chunk_size=s, local_window=w, pretraining_length=c, variant=variant)
     scale = p.scale(n, 16)
-    full = dca_attention(q_rot, k_rot, v, inv, s, w, c, scale, variant=variant)
+    sizes = dict(inv_freq=inv, chunk_size=s, local_window=w, pretraining_length=c, scale=scale, variant=variant)
+    full = dca_attention(q_rot, k_rot, v, **sizes)
     torch.testing.assert_close(full.double(), want(p, q, k, v), atol=2e-5, rtol=1e-4)
     for tail in (1, 4, 13):
         for backend in ("sdpa", "math"):
-            part = dca_attention(q_rot[:, :, -tail:], k_rot, v, inv, s, w, c, scale, backend=backend, variant=variant)
+            part = dca_attention(q_rot[:, :, -tail:], k_rot, v, **sizes, backend=backend)
             torch.testing.assert_close(part, full[:, :, -tail:], atol=2e-5, rtol=1e-4)
 
 
@@ -254,7 +255,7 @@ def test_future_tokens_never_leak(pieces, variant):
     """Perturbed later tokens change no earlier row (the logit factor depends on the length
     N only, as in the sources, not on what the tokens are)."""
     q, k, v = qkv(n=30)
-    p = attn_patterns.get("dca", chunk_size=6, local_window=3, pretraining_length=10, pieces=pieces, variant=variant)
+    p = attn_patterns.get_algorithm("dca", chunk_size=6, local_window=3, pretraining_length=10, pieces=pieces, variant=variant)
     before = p(q, k, v)
     t = 17
     for x in (q, k, v):
@@ -265,7 +266,7 @@ def test_future_tokens_never_leak(pieces, variant):
 
 def test_gradients_flow_through_the_math_path():
     q, k, v = (x.requires_grad_() for x in qkv(n=14))
-    p = attn_patterns.get("dca", chunk_size=4, local_window=2, pretraining_length=7)
+    p = attn_patterns.get_algorithm("dca", chunk_size=4, local_window=2, pretraining_length=7)
     p(q, k, v).square().sum().backward()
     want_q = torch.autograd.grad(reference(q, k, v, p.relative_positions(14), default_inv_freq(16)).square().sum(), q)[0]
     torch.testing.assert_close(q.grad.double(), want_q.double(), atol=1e-4, rtol=1e-3)
@@ -280,7 +281,7 @@ class DenseDCA(Method):
 
     name = "dense_dca"
 
-    def __init__(self, dca: Pattern, rotary: torch.nn.Module) -> None:
+    def __init__(self, dca: Algorithm, rotary: torch.nn.Module) -> None:
         self.dca, self.rotary = dca, rotary
 
     def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -331,7 +332,7 @@ def test_model_matches_dense_reference(rope, pieces):
     model = tiny_llama(max_position_embeddings=64, **ROPES[rope])
     ids = torch.randint(3, 300, (1, 150), generator=torch.Generator().manual_seed(1))
     dca = methods.get("dca", pieces=pieces)
-    use_attention(model, DenseDCA(dca.pattern, model.model.rotary_emb))
+    use_attention(model, DenseDCA(dca.algorithm, model.model.rotary_emb))
     want = _logits(model, ids)
     use_attention(model, dca)
     torch.testing.assert_close(_logits(model, ids), want, atol=1e-4, rtol=1e-4)
@@ -415,7 +416,7 @@ def test_length_dependent_rope_is_refused():
 
 def test_bf16_follows_fp32():
     q, k, v = qkv(n=40)
-    p = attn_patterns.get("dca", chunk_size=6, local_window=3, pretraining_length=10)
+    p = attn_patterns.get_algorithm("dca", chunk_size=6, local_window=3, pretraining_length=10)
     out = p(q.bfloat16(), k.bfloat16(), v.bfloat16())
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), p(q, k, v), atol=3e-2, rtol=3e-2)
@@ -448,7 +449,7 @@ def test_qwen_config_is_read_and_said(caplog):
     model = SOURCES.tiny_qwen()
     with caplog.at_level(logging.INFO, logger="sparse_ft.methods.dca"):
         use_attention(model, "dca")
-    p = current_method(model).pattern_for(model.config)
+    p = current_method(model).algorithm_for(model.config)
     assert (p.variant, p.sizes(1024), p.logit_scale) == ("qwen", (64, 16, 64), "qwen")
     said = "dca: variant=qwen chunk_size=64 local_window=16 pretraining_length=64 logit_scale=qwen"
     assert said in caplog.text and "original_max_position_embeddings=64" in caplog.text
@@ -457,10 +458,10 @@ def test_qwen_config_is_read_and_said(caplog):
 
 def test_explicit_parameters_override_the_config():
     config = SOURCES.tiny_qwen().config
-    assert methods.get("dca", local_window=8).pattern_for(config).sizes(1024) == (64, 8, 64)
-    assert methods.get("dca", logit_scale="none").pattern_for(config).logit_scale == "none"
+    assert methods.get("dca", local_window=8).algorithm_for(config).sizes(1024) == (64, 8, 64)
+    assert methods.get("dca", logit_scale="none").algorithm_for(config).logit_scale == "none"
     paper = methods.get("dca", variant="paper")
-    assert paper.pattern_for(config).sizes(1024) == (768, 256, 1024)  # the config is for the qwen variant only
+    assert paper.algorithm_for(config).sizes(1024) == (768, 256, 1024)  # the config is for the qwen variant only
     assert "not used with variant='paper'" in paper.describe(config)
     assert "no dual_chunk_attention_config" in methods.get("dca").describe(tiny_llama().config)
 

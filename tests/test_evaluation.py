@@ -117,10 +117,11 @@ def test_passkey_scoring_is_exact_match():
 def test_reprefill_generation_equals_cached_generation():
     model, tok = tiny_llama(), tiny_tokenizer()
     prompt = passkey_prompt.build_prompt(tok, 300, 0.5, "12345")
-    cached = methods.cached_generate(model, tok, prompt.context_ids, prompt.question_ids, 6)
-    assert methods.reprefill_generate(model, tok, prompt.context_ids, prompt.question_ids, 6) == cached
+    asked = dict(context_ids=prompt.context_ids, question_ids=prompt.question_ids, max_new_tokens=6)
+    cached = methods.cached_generate(model, tok, **asked)
+    assert methods.reprefill_generate(model, tok, **asked) == cached
     assert not methods.get("s2").supports.kv_cache  # training patterns have no decode step: they re-run
-    assert methods.get("s2").generate(model, tok, prompt.context_ids, prompt.question_ids, 6) != []
+    assert methods.get("s2").generate(model, tok, **asked) != []
 
 
 def test_methods_registry_and_rope_baselines():

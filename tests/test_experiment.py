@@ -81,8 +81,8 @@ def test_a_changed_method_default_is_a_new_row(experiment, monkeypatch):
     before = (rows / "dca_intra.json").stat().st_mtime_ns
     import attn_patterns.dca
 
-    defaults = attn_patterns.dca.DualChunkAttention.__init__.__defaults__
-    changed = tuple("chunkllama" if d == "paper" else d for d in defaults)
-    monkeypatch.setattr(attn_patterns.dca.DualChunkAttention.__init__, "__defaults__", changed)
+    defaults = attn_patterns.dca.DualChunkAttention.__init__.__kwdefaults__
+    changed = {name: "chunkllama" if d == "paper" else d for name, d in defaults.items()}
+    monkeypatch.setattr(attn_patterns.dca.DualChunkAttention.__init__, "__kwdefaults__", changed)
     Runner(ExperimentConfig(**{**cfg.__dict__, "patterns": [], "free_methods": ["dca_intra"]})).run()
     assert (rows / "dca_intra.json").stat().st_mtime_ns != before

@@ -34,7 +34,8 @@ def runnable(backend: str, dtype: torch.dtype, d: int = 64) -> None:
     """Skip only what this GPU or install cannot run (flash-attn absent, sm < 80, ...)."""
     if backend == "flash":
         pytest.importorskip("flash_attn")
-    why = lse_unsupported(backend, "cuda", dtype, False, torch.cuda.get_device_capability(), backend == "flash", d)
+    why = lse_unsupported(backend, device="cuda", dtype=dtype, needs_grad=False, capability=torch.cuda.get_device_capability(),
+                          flash_attn=backend == "flash", head_dim=d)
     if why is not None:
         pytest.skip(f"{backend} on this GPU: {why}")
 
@@ -69,8 +70,8 @@ def test_lse_backends_match_math(backend, dtype):
     for kv_heads in heads:
         for lq, lk, offset in shapes:
             q, k, v = (x.cuda() for x in lse_qkv(lq, lk, kv_heads=kv_heads, dtype=dtype, d=64))
-            out, lse = attend_lse(q, k, v, 0.125, offset, backend, 16)
-            want_out, want_lse = _attend_lse_math(q, k, v, 0.125, offset, 16)
+            out, lse = attend_lse(q, k, v, scale=0.125, offset=offset, backend=backend, block=16)
+            want_out, want_lse = _attend_lse_math(q, k, v, scale=0.125, offset=offset, block=16)
             assert out.dtype == dtype and lse.dtype == torch.float32 and lse.shape == q.shape[:3]
             torch.testing.assert_close(out.float(), want_out.float(), atol=TOL[dtype], rtol=TOL[dtype])
             torch.testing.assert_close(lse, want_lse, atol=TOL[dtype], rtol=TOL[dtype])
@@ -85,10 +86,10 @@ def test_automatic_choice_on_this_gpu():
     except ImportError:
         flash = "sdpa"
     ampere = torch.cuda.get_device_capability() >= (8, 0)
-    assert lse_backend(None, *(q.bfloat16(),) * 3, "dca") == (flash if ampere else "math")
-    assert lse_backend(None, *(q.half(),) * 3, "dca") == (flash if ampere else "efficient")
-    assert lse_backend(None, q, q, q, "dca") == "efficient"
-    assert lse_backend(None, q.requires_grad_(), q, q, "dca") == "math"
+    assert lse_backend(None, *(q.bfloat16(),) * 3, owner="dca") == (flash if ampere else "math")
+    assert lse_backend(None, *(q.half(),) * 3, owner="dca") == (flash if ampere else "efficient")
+    assert lse_backend(None, q, q, q, owner="dca") == "efficient"
+    assert lse_backend(None, q.requires_grad_(), q, q, owner="dca") == "math"
 
 
 @pytest.mark.parametrize("backend", [None, "sdpa", "efficient", "flash"])
@@ -113,12 +114,12 @@ def test_longheads_fused_matches_math(dtype):
     inv = default_inv_freq(d)
     pos = torch.arange(n)
     q, k = rotate(q, pos, inv), rotate(k, pos, inv)
-    pattern = LongHeads(chunk_size=4, chunks=4)
-    cpu = pattern(q, k, v, inv_freq=inv)
+    algorithm = LongHeads(chunk_size=4, chunks=4)
+    cpu = algorithm.attend(q, k, v, inv_freq=inv)
     q, k, v = (x.cuda().to(dtype) for x in (q, k, v))
     with torch.no_grad():
-        fused = pattern(q, k, v, inv_freq=inv.cuda())
-    math_path = pattern(q.clone().requires_grad_(), k, v, inv_freq=inv.cuda()).detach()
+        fused = algorithm.attend(q, k, v, inv_freq=inv.cuda())
+    math_path = algorithm.attend(q.clone().requires_grad_(), k, v, inv_freq=inv.cuda()).detach()
     torch.testing.assert_close(fused.float(), math_path.float(), atol=TOL[dtype], rtol=TOL[dtype])
     if dtype == torch.float32:
         torch.testing.assert_close(fused.cpu(), cpu, atol=1e-3, rtol=1e-3)

@@ -29,8 +29,8 @@ def qkv(lq, lk, heads=4, kv_heads=2, dtype=FP32, d=16, seed=0):
 
 
 def assert_matches_math(q, k, v, offset, backend, tol):
-    out, lse = attend_lse(q, k, v, 0.3, offset, backend, 4)
-    want_out, want_lse = _attend_lse_math(q, k, v, 0.3, offset, 4)
+    out, lse = attend_lse(q, k, v, scale=0.3, offset=offset, backend=backend, block=4)
+    want_out, want_lse = _attend_lse_math(q, k, v, scale=0.3, offset=offset, block=4)
     assert out.dtype == q.dtype and out.shape == q.shape and lse.shape == q.shape[:3]
     torch.testing.assert_close(out.float(), want_out.float(), atol=tol, rtol=tol)
     torch.testing.assert_close(lse.float(), want_lse.float(), atol=tol, rtol=tol)
@@ -41,6 +41,12 @@ def assert_matches_math(q, k, v, offset, backend, tol):
 def test_cpu_backends_match_math(backend, kv_heads, dtype, tol):
     for lq, lk, offset in SHAPES:
         assert_matches_math(*qkv(lq, lk, kv_heads=kv_heads, dtype=dtype), offset, backend, tol)
+
+
+def call(device, dtype, needs_grad, capability, flash_attn, head_dim) -> dict:
+    """A row of the table below as the keyword arguments of the backend choice."""
+    return dict(device=device, dtype=dtype, needs_grad=needs_grad, capability=capability, flash_attn=flash_attn,
+                head_dim=head_dim)
 
 
 # (device, dtype, needs_grad, capability, flash-attn installed, head dim) -> automatic choice
@@ -70,27 +76,27 @@ TABLE = [
 
 @pytest.mark.parametrize("case,want", TABLE, ids=[f"{c[0]}-{str(c[1])[6:]}-grad{c[2]}-sm{c[3]}-fa{c[4]}-d{c[5]}" for c, _ in TABLE])
 def test_automatic_choice(case, want):
-    assert choose_lse_backend(*case) == want
+    assert choose_lse_backend(**call(*case)) == want
 
 
 def test_explicit_backends_are_checked_with_reasons():
-    assert lse_unsupported("flex", "cuda", BF16, True, (9, 0), False, 64) is None  # flex differentiates its LSE
-    assert "no backward on CPU" in lse_unsupported("flex", "cpu", FP32, True, None, False, 64)
-    assert "not installed" in lse_unsupported("flash", "cuda", BF16, False, (9, 0), False, 64)
-    assert "sm80+" in lse_unsupported("sdpa", "cuda", FP16, False, (7, 0), False, 64)
-    assert "fp16 or bf16" in lse_unsupported("sdpa", "cuda", FP32, False, (9, 0), False, 64)
+    assert lse_unsupported("flex", **call("cuda", BF16, True, (9, 0), False, 64)) is None  # flex differentiates its LSE
+    assert "no backward on CPU" in lse_unsupported("flex", **call("cpu", FP32, True, None, False, 64))
+    assert "not installed" in lse_unsupported("flash", **call("cuda", BF16, False, (9, 0), False, 64))
+    assert "sm80+" in lse_unsupported("sdpa", **call("cuda", FP16, False, (7, 0), False, 64))
+    assert "fp16 or bf16" in lse_unsupported("sdpa", **call("cuda", FP32, False, (9, 0), False, 64))
     q, k, v = qkv(3, 3)
     with pytest.raises(ValueError, match=r"dca: backend='efficient' cannot run here: it needs CUDA tensors, got cpu; "
                                          r"allowed here: sdpa, flex, math or None \(automatic\)"):
-        lse_backend("efficient", q, k, v, "dca")
+        lse_backend("efficient", q, k, v, owner="dca")
     with pytest.raises(ValueError, match=r"backend='cuda' is unknown; allowed: sdpa, efficient, flash, flex, math"):
-        lse_backend("cuda", q, k, v, "dca")
+        lse_backend("cuda", q, k, v, owner="dca")
     q.requires_grad_()
     with pytest.raises(ValueError, match="without a gradient.*allowed here: math or None"):
-        lse_backend("sdpa", q, k, v, "longheads")
-    assert lse_backend(None, q, k, v, "dca") == "math"
+        lse_backend("sdpa", q, k, v, owner="longheads")
+    assert lse_backend(None, q, k, v, owner="dca") == "math"
     with torch.no_grad():
-        assert lse_backend(None, q, k, v, "dca") == "sdpa"
+        assert lse_backend(None, q, k, v, owner="dca") == "sdpa"
 
 
 # --- the CUDA kernels' conventions, on CPU --------------------------------------------------
@@ -159,8 +165,8 @@ def test_torch_flash_op_convention(cuda_stand_ins):
             assert offset is not None and lk - lq < offset < lk - 1
             continue
         n, causal = shape
-        out, lse = kernels._FUSED["sdpa"](q, k[:, :, :n], v[:, :, :n], 0.3, causal)
-        want_out, want_lse = _attend_lse_math(q, k, v, 0.3, offset, 4)
+        out, lse = kernels._FUSED["sdpa"](q, k[:, :, :n], v[:, :, :n], scale=0.3, causal=causal)
+        want_out, want_lse = _attend_lse_math(q, k, v, scale=0.3, offset=offset, block=4)
         torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
 
@@ -173,8 +179,9 @@ def dca_cases(backend, dtype=FP32, device="cpu", d=16, tails=(29, 13, 1)):
     pos = torch.arange(n, device=device)
     q, k = rotate(q, pos, inv), rotate(k, pos, inv)
     for tail in tails:
-        got = dca_attention(q[:, :, -tail:], k, v, inv, s, w, c, backend=backend)
-        yield got, dca_attention(q[:, :, -tail:], k, v, inv, s, w, c, backend="math")
+        sizes = dict(inv_freq=inv, chunk_size=s, local_window=w, pretraining_length=c)
+        got = dca_attention(q[:, :, -tail:], k, v, **sizes, backend=backend)
+        yield got, dca_attention(q[:, :, -tail:], k, v, **sizes, backend="math")
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "flex"])
@@ -187,17 +194,17 @@ def test_dca_with_each_cpu_backend_equals_math(backend):
 @pytest.mark.parametrize("backend", ["efficient", "flash"])
 def test_dca_through_the_cuda_conventions_equals_math(cuda_stand_ins, backend, monkeypatch):
     # the stand-ins run on CPU tensors, so let the backend check pass as on a CUDA machine
-    monkeypatch.setattr(kernels, "lse_unsupported", lambda *case: None)
+    monkeypatch.setattr(kernels, "lse_unsupported", lambda backend, **case: None)
     for got, want in dca_cases(backend):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_merge_stays_fp32_and_keeps_the_input_dtype():
     q, k, v = qkv(6, 12, dtype=BF16)
-    pieces = [attend_lse(q, k[:, :, :6], v[:, :, :6], 0.25, None, "sdpa", 4),
-              attend_lse(q, k[:, :, 6:], v[:, :, 6:], 0.25, 0, "sdpa", 4)]
+    pieces = [attend_lse(q, k[:, :, :6], v[:, :, :6], scale=0.25, offset=None, backend="sdpa", block=4),
+              attend_lse(q, k[:, :, 6:], v[:, :, 6:], scale=0.25, offset=0, backend="sdpa", block=4)]
     assert all(lse.dtype == FP32 for _, lse in pieces)
     merged = kernels.merge_lse(pieces)
-    want, _ = _attend_lse_math(q, k, v, 0.25, 6, 4)
+    want, _ = _attend_lse_math(q, k, v, scale=0.25, offset=6, block=4)
     assert merged.dtype == BF16
     torch.testing.assert_close(merged.float(), want.float(), atol=1e-2, rtol=1e-2)

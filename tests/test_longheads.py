@@ -67,8 +67,8 @@ def test_matches_dense_reference_beyond_window(keep_previous):
     l, k_chunks, n = 4, 4, 37  # 9 complete chunks + a partial one; window 16 < 37
     q_raw, k_raw, v = _qkv(n)
     pos = torch.arange(n)
-    pattern = LongHeads(chunk_size=l, chunks=k_chunks, keep_previous=keep_previous)
-    out = pattern(_rot(q_raw, pos), _rot(k_raw, pos), v, inv_freq=INV_FREQ)
+    algorithm = LongHeads(chunk_size=l, chunks=k_chunks, keep_previous=keep_previous)
+    out = algorithm.attend(_rot(q_raw, pos), _rot(k_raw, pos), v, inv_freq=INV_FREQ)
     torch.testing.assert_close(out, reference(q_raw, k_raw, v, l, k_chunks, keep_previous), atol=2e-5, rtol=1e-4)
 
 
@@ -83,15 +83,17 @@ def test_attend_call_rows_and_small_steps_match_reference(keep_previous, l, budg
     if budget:
         monkeypatch.setattr(longheads, "_BLOCK_ELEMENTS", budget)
     k_chunks, n = 4, 37
-    assert longheads._plan(0, n, l, k_chunks, 8, 16)[0] == rows
+    assert longheads._plan(start=0, nk=n, chunk_size=l, chunks=k_chunks, batch_heads=8, head_dim=16)[0] == rows
     q_raw, k_raw, v = _qkv(n, hkv=4, seed=7)
     pos = torch.arange(n)
     q, k = _rot(q_raw, pos), _rot(k_raw, pos)
     whole = n // l * l
-    reps = longheads.chunk_representations(q[:, :, :whole], k[:, :, :whole], v[:, :, :whole], l, 0, INV_FREQ)
+    reps = longheads.chunk_representations(q[:, :, :whole], k[:, :, :whole], v[:, :, :whole], chunk_size=l, first_chunk=0,
+                                           inv_freq=INV_FREQ)
     expected = reference(q_raw, k_raw, v, l, k_chunks, keep_previous)
     for nq in (n, 13, 1):
-        out = longheads.attend(q[:, :, n - nq :], k, v, reps, l, k_chunks, INV_FREQ, 0.25, keep_previous)
+        out = longheads.longheads_attention(q[:, :, n - nq :], k, v, reps=reps, chunk_size=l, chunks=k_chunks, inv_freq=INV_FREQ,
+                                            scale=0.25, keep_previous=keep_previous)
         torch.testing.assert_close(out, expected[:, :, n - nq :], atol=2e-5, rtol=1e-4)
 
 
@@ -115,14 +117,14 @@ def test_equals_causal_attention_within_window():
     q_raw, k_raw, v = _qkv(n, seed=1)
     pos = torch.arange(n)
     q, k = _rot(q_raw, pos), _rot(k_raw, pos)
-    out = LongHeads(chunk_size=l, chunks=k_chunks)(q, k, v, inv_freq=INV_FREQ)
+    out = LongHeads(chunk_size=l, chunks=k_chunks).attend(q, k, v, inv_freq=INV_FREQ)
     dense = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True)
     torch.testing.assert_close(out, dense, atol=1e-5, rtol=1e-5)
 
 
 def test_validation_names_both_values():
     with pytest.raises(ValueError, match=r"chunks=8 × chunk_size=64 = 512 must be <= pretraining_length=256"):
-        attn_patterns.get("longheads", chunk_size=64, chunks=8, pretraining_length=256)
+        attn_patterns.get_algorithm("longheads", chunk_size=64, chunks=8, pretraining_length=256)
     with pytest.raises(ValueError, match="chunks=1"):
         LongHeads(chunk_size=4, chunks=1)
 

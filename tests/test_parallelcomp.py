@@ -41,19 +41,19 @@ def test_priority_queue_keeps_k_lowest_like_sorting():
 
 def test_eviction_budget_and_calibration():
     attention = torch.tensor([[0.5, 0.01, 0.2, 0.02, 0.3, 0.6], [0.0, 0.9, 0.05, 0.04, 0.01, 0.0]])
-    index, keep = pc.evict(attention, None, None, None, 2)
+    index, keep = pc.evict(attention, kv_budget=None, threshold=None, region=None, bias_window=2)
     assert index.tolist() == [list(range(6))] * 2 and keep.all()
-    index, keep = pc.evict(attention, 3, None, None, 2)  # compression: 3 highest, position order
+    index, keep = pc.evict(attention, kv_budget=3, threshold=None, region=None, bias_window=2)  # compression: 3 highest, position order
     assert index.tolist() == [[0, 4, 5], [1, 2, 3]] and keep.all()
-    _, keep = pc.evict(attention, None, 0.4, "sink", 2)  # first 2 tokens above 0.4 go
+    _, keep = pc.evict(attention, kv_budget=None, threshold=0.4, region="sink", bias_window=2)  # first 2 tokens above 0.4 go
     assert keep.tolist() == [[False, True, True, True, True, True], [True, False, True, True, True, True]]
-    _, keep = pc.evict(attention, None, 0.4, "recency", 2)
+    _, keep = pc.evict(attention, kv_budget=None, threshold=0.4, region="recency", bias_window=2)
     assert keep.tolist() == [[True, True, True, True, True, False], [True] * 6]
-    _, keep = pc.evict(attention, None, 0.15, "middle", 2)  # positions 2..3
+    _, keep = pc.evict(attention, kv_budget=None, threshold=0.15, region="middle", bias_window=2)  # positions 2..3
     assert keep.tolist() == [[True, True, False, True, True, True], [True] * 6]
-    _, keep = pc.evict(attention, None, 0.4, None, 2)  # this layer calibrates nothing
+    _, keep = pc.evict(attention, kv_budget=None, threshold=0.4, region=None, bias_window=2)  # this layer calibrates nothing
     assert keep.all()
-    index, keep = pc.evict(attention, 3, 0.4, "sink", 2)  # both: calibration mask on the kept ones
+    index, keep = pc.evict(attention, kv_budget=3, threshold=0.4, region="sink", bias_window=2)  # both: calibration mask on the kept ones
     assert index.tolist() == [[0, 4, 5], [1, 2, 3]] and keep.tolist() == [[False, True, True], [False, True, True]]
 
 
@@ -70,7 +70,7 @@ def test_one_chunk_equals_plain_generation(model, tok):
     ids = torch.tensor([context + question])
     with torch.no_grad():
         plain = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None)[0, ids.shape[1]:].tolist()
-        ours = pc.generate(model, None, context, question, 8)
+        ours = pc.generate(model, None, context_ids=context, question_ids=question, max_new_tokens=8)
     assert ours == plain
 
 
@@ -117,8 +117,8 @@ def test_eviction_changes_the_answer_path(model):
     context = torch.randint(3, 259, (100,), generator=g).tolist()
     question = torch.randint(3, 259, (10,), generator=g).tolist()
     with torch.no_grad():
-        a = pc.generate(model, None, context, question, 12)
-        b = pc.generate(model, None, context, question, 12, kv_budget=5)
+        a = pc.generate(model, None, context_ids=context, question_ids=question, max_new_tokens=12)
+        b = pc.generate(model, None, context_ids=context, question_ids=question, max_new_tokens=12, kv_budget=5)
     assert a != b
 
 
@@ -126,7 +126,7 @@ def test_validation(model):
     with pytest.raises(ValueError, match="keep_chunks=0"):
         pc.ParallelCompConfig(keep_chunks=0)
     with pytest.raises(ValueError, match="pretraining_length=256"):
-        pc.generate(model, None, [5] * 10, [6] * 10, 2, chunk_size=250)
+        pc.generate(model, None, context_ids=[5] * 10, question_ids=[6] * 10, max_new_tokens=2, chunk_size=250)
     with pytest.raises(ValueError, match="calibration_layers"):
         pc.ParallelCompConfig(calibration_layers={"top": (0.0, 1.0)})
 

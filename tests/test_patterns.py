@@ -9,7 +9,7 @@ from attn_patterns.reference import dense_attention
 
 H = 8
 PATTERNS = [
-    ("full", {}),
+    ("causal", {}),
     ("s2", {}),
     ("s2", {"chunks": 3}),
     ("scca_fixed", {}),
@@ -19,9 +19,9 @@ PATTERNS = [
     ("sda", {"dilation": 2}),
     ("sda", {"dilation": 3}),
     ("longmixed", {}),
-    ("mixed", {"parts": [("s2", 0.5), ({"name": "sda", "dilation": 4}, 0.25), ("full", 0.25)]}),
+    ("mixed", {"parts": [("s2", 0.5), ({"name": "sda", "dilation": 4}, 0.25), ("causal", 0.25)]}),
     # 3 + 5 heads: on 2 or 4 KV heads the split cuts through a KV group (K/V repeated there)
-    ("mixed", {"parts": [({"name": "sda", "dilation": 3}, 0.375), ("full", 0.625)]}),
+    ("mixed", {"parts": [({"name": "sda", "dilation": 3}, 0.375), ("causal", 0.625)]}),
 ]
 IDS = [f"{name}{params or ''}" for name, params in PATTERNS]
 # N not divisible by chunks, odd w (N=13 -> w=4, N=9 -> w=3), N < chunks, N = 1.
@@ -35,7 +35,7 @@ def qkv(n, kv_heads, dtype=torch.float64, batch=2, dim=16, grad=False, seed=0):
 
 
 def test_every_registered_pattern_is_covered():
-    assert {name for name, _ in PATTERNS} >= {"full", "s2", "scca_fixed", "scca_flow", "sda", "longmixed", "mixed"}
+    assert {name for name, _ in PATTERNS} >= {"causal", "s2", "scca_fixed", "scca_flow", "sda", "longmixed", "mixed"}
 
 
 @pytest.mark.parametrize("name,params", PATTERNS, ids=IDS)
@@ -157,7 +157,7 @@ def test_flex_refuses_cpu_training_and_flash_needs_cuda():
 @pytest.mark.parametrize(
     "call,message",
     [
-        (lambda: attn_patterns.get("scca"), r"pattern='scca' is unknown; allowed: dca, full, .*scca_flow"),
+        (lambda: attn_patterns.get("scca"), r"pattern='scca' is unknown; allowed: causal, .*scca_flow"),
         (lambda: attn_patterns.get("s2", chunks=0), r"chunks=0 must be an integer >= 1"),
         (lambda: attn_patterns.get("sda", dilation=0), r"dilation=0 must be an integer >= 1"),
         (lambda: attn_patterns.get("s2", backend="cuda"), r"s2: backend='cuda' is unknown; allowed: sdpa, flash, flex"),
@@ -180,9 +180,9 @@ def test_bad_parameters_name_the_rule(call, message):
 def test_shape_errors():
     q, k, v = qkv(8, 3)
     with pytest.raises(ValueError, match="num_heads=8 must be a multiple of kv_heads=3"):
-        attn_patterns.get("full")(q, k, v)
+        attn_patterns.get("causal")(q, k, v)
     with pytest.raises(ValueError, match="must be 4-D"):
-        attn_patterns.get("full")(q[0], k[0], v[0])
+        attn_patterns.get("causal")(q[0], k[0], v[0])
 
 
 def test_long_sequence_memory_is_linear():
@@ -210,7 +210,7 @@ def test_backend_none_is_sdpa_and_flash_explains_itself():
         flash(*qkv(8, 8, dtype=torch.float32))
 
 
-@pytest.mark.parametrize("name", ["full", "s2", "scca_fixed", "scca_flow", "sda", "longmixed"])
+@pytest.mark.parametrize("name", ["causal", "s2", "scca_fixed", "scca_flow", "sda", "longmixed"])
 def test_grouped_query_kv_is_not_repeated(name):
     """K/V with fewer heads go to the kernel as they are (SDPA enable_gqa, per-group gathers)
     whenever the head split respects KV groups: here 8 query heads on 4 KV heads. (On CPU
@@ -240,7 +240,7 @@ def test_registered_rule_only_pattern_gets_mask_pairs_and_flex():
             super().__init__(backend, window=window)
             self.window = window
 
-        def rule(self, h, i, j, n, num_heads):  # causality is the base class's to add
+        def rule(self, h, i, j, *, n, num_heads):  # causality is the base class's to add
             return (j == 0) | (i - j < self.window + h)
 
     @attn_patterns.register("test_sink")
@@ -325,7 +325,7 @@ def test_attn_patterns_is_pure_torch():
         "from attn_patterns.longheads import LongHeads\n"
         "q = torch.randn(1, 8, 40, 4)\n"
         "assert attn_patterns.get('longmixed')(q, q[:, :2], q[:, :2]).shape == q.shape\n"
-        "assert attn_patterns.get('dca', pretraining_length=16)(q, q[:, :2], q[:, :2]).shape == q.shape\n"
+        "assert attn_patterns.get_algorithm('dca', pretraining_length=16)(q, q[:, :2], q[:, :2]).shape == q.shape\n"
         "assert LongHeads(chunk_size=4, chunks=3)(q, q[:, :2], q[:, :2]).shape == q.shape\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

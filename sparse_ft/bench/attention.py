@@ -60,7 +60,7 @@ def _step(attend, q, k, v):
 
 
 def _dense(q, k, v):
-    return sdpa(q, k, v, None, True)
+    return sdpa(q, k, v, mask=None, causal=True)
 
 
 def run(
@@ -86,7 +86,7 @@ def run(
         q, k, v = make(h), make(hk), make(hk)
         dense_ms, dense_mib = measure(_step(_dense, q, k, v), dev, warmup, repeats) or (None, None)
         bar.update()
-        causal_pairs = attn_patterns.get("full").visible_pairs(n, h)
+        causal_pairs = attn_patterns.get("causal").visible_pairs(n, h)
         for backend in backends:
             for name in patterns:
                 pattern = attn_patterns.get(name, backend=backend)

@@ -52,7 +52,8 @@ def run(lengths: Iterable[int], heads: int = 8, kv_heads: int = 2, head_dim: int
         q, k = rotate(q, pos, inv_freq), rotate(k, pos, inv_freq)  # as transformers hands them over
         with torch.inference_mode():
             got = interleaved({"dense": lambda: _causal(q, k, v),
-                               "dca": lambda: dca_attention(q, k, v, inv_freq, s, w, c)}, dev, warmup, repeats)
+                               "dca": lambda: dca_attention(q, k, v, inv_freq=inv_freq, chunk_size=s, local_window=w,
+                                                            pretraining_length=c)}, dev, warmup, repeats)
         del q, k, v
         dense_ms, dense_mib = got["dense"] or (None, None)
         dca_ms, dca_mib = got["dca"] or (None, None)

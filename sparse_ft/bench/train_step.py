@@ -35,10 +35,9 @@ class StepRow:
 
 
 def trained_methods(patterns: Iterable[str], backend: Optional[str], dtype: str) -> dict[str, methods.Method]:
-    """``full`` first, then each pattern on ``backend``, built as a recipe builds them (bad
-    names, and a backend a pattern cannot run, fail here, before any model is built). ``full``
-    stays the model's own attention whatever the backend: given one, it would become the full
-    pattern on the toolkit's kernels, not the baseline a user would train with."""
+    """``full`` (the model's own attention, the baseline a user would train with) first, then
+    each pattern on ``backend``, built as a recipe builds them (bad names, and a backend a
+    pattern cannot run, fail here, before any model is built)."""
     chosen = {"full": methods.for_training("full", {}, None, DTYPE_NAMES[dtype])[0]}
     for name in patterns:
         if name != "full":

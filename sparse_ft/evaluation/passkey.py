@@ -37,7 +37,8 @@ def evaluate(model, tokenizer, lengths: list[int], depths: list[float], trials: 
                 prompt = build_prompt(tokenizer, length, depth, key)
                 budget = len(token_ids(tokenizer, " " + key)) + 3
                 with torch.inference_mode():
-                    new = method.generate(model, tokenizer, prompt.context_ids, prompt.question_ids, budget)
+                    new = method.generate(model, tokenizer, context_ids=prompt.context_ids, question_ids=prompt.question_ids,
+                                          max_new_tokens=budget)
                 outputs.append(tokenizer.decode(new, skip_special_tokens=True))
                 hits += retrieved(outputs[-1], key)
                 bar.update()

@@ -1,8 +1,8 @@
 """Every way the toolkit can make a model attend, behind one protocol (:class:`Method`):
 
-* the model's own attention (``full``) and every static pattern of ``attn_patterns``
-  (S², SCCA, SDA, LongMixed, ... and patterns registered later), the latter through one
-  adapter (:class:`PatternMethod`): the training patterns;
+* the model's own attention (``full``) and every pattern of ``attn_patterns`` (S², SCCA,
+  SDA, LongMixed, ``causal`` on the toolkit's kernels, ... and patterns registered later),
+  the latter through one adapter (:class:`PatternMethod`): the training patterns;
 * the training-free methods, one module each: Dual Chunk Attention (``dca``), LongHeads,
   ParallelComp, and PI / NTK / YaRN (``rope_scaling``).
 
@@ -13,16 +13,14 @@
     >>> sparse_ft.use_attention(model, method)
 
 A new method is one module with a ``@register``-ed :class:`Method` subclass, imported below
-(docs/architecture.md walks through it).
+(docs/architecture.md walks through it). Names are resolved in :mod:`sparse_ft.methods.lookup`;
+methods install themselves through ``sparse_ft.attention``, which never imports this package.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
-
-from attn_patterns import PATTERNS, Pattern
-from attn_patterns.kernels import auto_backend
-from sparse_ft.methods.base import METHODS, Method, PatternBacked, Supports, cached_generate, register, reprefill_generate
+from sparse_ft.methods.base import METHODS, AlgorithmMethod, Method, Supports, cached_generate, register, reprefill_generate
+from sparse_ft.methods.lookup import for_training, get, names, resolve
 from sparse_ft.methods.pattern import ModelAttention, PatternMethod
 
 # the modules whose methods register themselves on import, in the order tables list them
@@ -31,82 +29,5 @@ from sparse_ft.methods import dca as _dca  # noqa: E402,F401
 from sparse_ft.methods import longheads as _longheads  # noqa: E402,F401
 from sparse_ft.methods import parallelcomp as _parallelcomp  # noqa: E402,F401
 
-__all__ = ["METHODS", "Method", "ModelAttention", "PatternBacked", "PatternMethod", "Supports", "cached_generate",
+__all__ = ["METHODS", "AlgorithmMethod", "Method", "ModelAttention", "PatternMethod", "Supports", "cached_generate",
            "for_training", "get", "names", "register", "reprefill_generate", "resolve"]
-
-
-def names(where: Optional[Callable[[Supports], bool]] = None) -> list[str]:
-    """Registered methods in registration order, then the static patterns that have no
-    method of their own; with ``where``, those whose default instance's ``supports``
-    satisfies it (``names(lambda s: s.training)``)."""
-    every = METHODS.names() + [n for n in PATTERNS.names() if n not in METHODS]
-    if where is None:
-        return every
-    return [n for n in every if _buildable(n) and where(get(n).supports)]
-
-
-def _buildable(name: str) -> bool:
-    try:
-        get(name)
-    except (TypeError, ValueError):  # e.g. ``mixed`` has no default parts
-        return False
-    return True
-
-
-def _named(flag: str, name: str) -> str:
-    return f"{flag} {name!r}" if flag.startswith("--") else f"{flag}={name!r}"
-
-
-def get(name: str, flag: str = "--method", /, **params: Any) -> Method:
-    """The method ``name`` with ``params``; errors name ``flag`` (the CLI flag or recipe key
-    the name came from). A static pattern's name gives it through :class:`PatternMethod`;
-    ``full`` with pattern parameters (a backend) is the ``full`` pattern on the toolkit's
-    kernels, without any the model's own attention."""
-    # a parameterless method (``full``) given pattern parameters means the pattern of its name
-    overridden = name in METHODS and not (
-        params and not METHODS.parameters(name) and name in PATTERNS and set(params) <= set(PATTERNS.parameters(name)))
-    as_pattern = name in PATTERNS and not overridden
-    registry = PATTERNS if as_pattern else METHODS
-    if name not in registry:
-        raise ValueError(f"{_named(flag, name)} is unknown; allowed: {', '.join(names())}")
-    allowed = registry.parameters(name)
-    unknown = ", ".join(sorted(set(params) - set(allowed)))
-    cli = flag.startswith("--")
-    if unknown and not allowed:
-        raise ValueError(f"{flag} {name} takes no --method-arg; got {unknown}" if cli else f"{name} takes no parameters; got {unknown}")
-    if unknown:
-        detail = f"{name}: parameter(s) {unknown} unknown; allowed: {', '.join(allowed)}"
-        raise ValueError(f"{flag} {name}: bad --method-arg ({detail})" if cli else detail)
-    built = registry.get(name, **params)
-    return PatternMethod(built) if as_pattern else built
-
-
-def resolve(spec: "str | Method | Pattern", flag: str = "--method", /, **params: Any) -> Method:
-    """A method from a name (with ``params``), a Method, or a static Pattern object."""
-    if isinstance(spec, str):
-        return get(spec, flag, **params)
-    if params:
-        raise ValueError(f"parameters {sorted(params)} go with a name, not with the ready object {spec!r}")
-    if isinstance(spec, Method):
-        return spec
-    if isinstance(spec, Pattern):
-        return PatternMethod(spec)
-    raise ValueError(f"{spec!r} is neither a method name, a Method nor a Pattern")
-
-
-def for_training(name: str, params: dict, backend: Optional[str], dtype: str) -> tuple[Method, Optional[str]]:
-    """The method a recipe trains through, and its backend with ``auto`` resolved on this
-    machine among the backends the method takes (flash-attn only where it can run: CUDA,
-    fp16/bf16, installed). Every error says which recipe key is wrong."""
-    method = get(name, "pattern", **params)
-    if not method.supports.training:
-        trainable = names(lambda s: s.training)
-        raise ValueError(f"pattern={name!r} cannot train (it is a training-free method); allowed: {', '.join(trainable)}")
-    if backend == "auto":
-        backend = auto_backend(dtype != "float32", method.supports.backends)
-    if backend not in method.supports.backends:
-        allowed = ", ".join(str(b) for b in method.supports.backends)
-        raise ValueError(f"attention.backend={backend!r} is not one {name} runs on; allowed: {allowed}")
-    if backend is not None:
-        method = get(name, "pattern", **params, backend=backend)
-    return method, backend

@@ -18,8 +18,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from attn_patterns.base import Pattern
+from attn_patterns.algorithm import Algorithm
 from attn_patterns.registry import Registry
+from sparse_ft.attention import use_attention
 
 
 @dataclass(frozen=True)
@@ -60,15 +61,14 @@ class Method:
     def apply(self, model: torch.nn.Module, length: int) -> None:
         """Make ``model`` attend with this method for sequences of ``length`` tokens
         (evaluation calls it per length)."""
-        from sparse_ft.attention import use_attention
-
         use_attention(model, self)
 
-    def generate(self, model: torch.nn.Module, tokenizer: Any, context_ids: list[int], question_ids: list[int],
+    def generate(self, model: torch.nn.Module, tokenizer: Any, *, context_ids: list[int], question_ids: list[int],
                  max_new_tokens: int) -> list[int]:
         """Greedy answer to ``question_ids`` after ``context_ids``: the new token ids."""
         generate = cached_generate if self.supports.kv_cache else reprefill_generate
-        return generate(model, tokenizer, context_ids, question_ids, max_new_tokens)
+        return generate(model, tokenizer, context_ids=context_ids, question_ids=question_ids,
+                        max_new_tokens=max_new_tokens)
 
     def check_inputs(self, attention_mask: Optional[torch.Tensor], dropout: float = 0.0) -> None:
         """For training-free methods (no attention dropout) that compute padded batches only
@@ -89,21 +89,23 @@ class Method:
         return f"{self.name}()"
 
 
-class PatternBacked(Method):
-    """A method around a pure-torch pattern (``pattern_class``) whose parameters it takes
-    as its own: one parameter list, checked in one place."""
+class AlgorithmMethod(Method):
+    """A method around a pure-torch attention algorithm (``algorithm_class``: DCA, LongHeads)
+    whose parameters it takes as its own: one parameter list, checked in one place. The
+    method supplies what the algorithm needs from the model (its RoPE frequencies, its
+    context) and what KV-cache decoding needs."""
 
-    pattern_class: type[Pattern] = Pattern
+    algorithm_class: type[Algorithm] = Algorithm
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        cls.__signature__ = inspect.signature(cls.pattern_class)
+        cls.__signature__ = inspect.signature(cls.algorithm_class)
 
     def __init__(self, **params: Any) -> None:
-        self.pattern = self.pattern_class(**params)
+        self.algorithm = self.algorithm_class(**params)
 
     def __repr__(self) -> str:
-        return repr(self.pattern)
+        return repr(self.algorithm)
 
 
 METHODS: Registry[Method] = Registry("method", Method)
@@ -129,7 +131,8 @@ def model_device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-def cached_generate(model, tokenizer, context_ids: list[int], question_ids: list[int], max_new_tokens: int) -> list[int]:
+def cached_generate(model: torch.nn.Module, tokenizer: Any, *, context_ids: list[int], question_ids: list[int],
+                    max_new_tokens: int) -> list[int]:
     """transformers' own ``generate`` with the KV cache."""
     ids = torch.tensor([list(context_ids) + list(question_ids)], device=model_device(model))
     out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
@@ -138,7 +141,8 @@ def cached_generate(model, tokenizer, context_ids: list[int], question_ids: list
 
 
 @torch.inference_mode()
-def reprefill_generate(model, tokenizer, context_ids: list[int], question_ids: list[int], max_new_tokens: int) -> list[int]:
+def reprefill_generate(model: torch.nn.Module, tokenizer: Any, *, context_ids: list[int], question_ids: list[int],
+                       max_new_tokens: int) -> list[int]:
     """Greedy decoding without a KV cache: each new token from a forward over the whole
     sequence, so a pattern defined on whole sequences is applied exactly as defined."""
     ids = torch.tensor([list(context_ids) + list(question_ids)], device=model_device(model))

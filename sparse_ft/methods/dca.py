@@ -3,7 +3,7 @@
 One path serves prefill, chunked prefill and cached decoding: the call's ``Nq`` queries are
 the last of ``Nk`` positions, everything rotated at its true position with the model's own
 RoPE frequencies (so DCA composes with any scaling in them), and DCA needs no state.
-The model supplies what the pure pattern cannot know: ``c`` defaults to the context it
+The model supplies what the pure algorithm cannot know: ``c`` defaults to the context it
 handles now (``config.max_position_embeddings``) and the frequencies come from its config.
 
 Models that ship DCA (Qwen2.5-1M, Qwen3-2507) say so in ``dual_chunk_attention_config``,
@@ -23,7 +23,7 @@ import torch
 
 from attn_patterns.dca import DualChunkAttention, dca_attention
 from attn_patterns.kernels import LSE_BACKENDS
-from sparse_ft.methods.base import PatternBacked, Supports, register
+from sparse_ft.methods.base import AlgorithmMethod, Supports, register
 from sparse_ft.rope import rope_inv_freq
 
 logger = logging.getLogger(__name__)
@@ -69,47 +69,50 @@ def sparse_prefill_enabled(dca_config: dict[str, Any]) -> bool:
 
 
 @register
-class DualChunk(PatternBacked):
+class DualChunk(AlgorithmMethod):
     name = "dca"
-    pattern_class = DualChunkAttention
+    algorithm_class = DualChunkAttention
     supports = Supports(training=False, ppl=True, kv_cache=True, padding=("right",), backends=(None, *LSE_BACKENDS))
 
     def __init__(self, **params: Any) -> None:
         super().__init__(**params)
         self.given = params
-        self._for: tuple[Optional[dict], DualChunkAttention] = (None, self.pattern)  # the last DCA config's pattern
+        # the last model DCA config asked about and the algorithm it gives: every layer's
+        # every call asks, almost always with the same config
+        self._last_config: Optional[dict[str, Any]] = None
+        self._last_algorithm = self.algorithm
 
-    def pattern_for(self, config: Any) -> DualChunkAttention:
-        """The pattern a model with ``config`` runs: the model's own DCA configuration under
-        the user's parameters when it has one and no other variant was asked for. The last
-        one is kept, since every layer's every call asks."""
+    def algorithm_for(self, config: Any) -> DualChunkAttention:
+        """The algorithm a model with ``config`` runs: the model's own DCA configuration under
+        the user's parameters when it has one and no other variant was asked for."""
         dca_config = model_dca_config(config)
         if dca_config is None or self.given.get("variant", "qwen") != "qwen":
-            return self.pattern
-        if self._for[0] != dca_config:
-            self._for = (dca_config, DualChunkAttention(**(params_from_config(dca_config) | self.given)))
-        return self._for[1]
+            return self.algorithm
+        if self._last_config != dca_config:
+            self._last_config = dca_config
+            self._last_algorithm = DualChunkAttention(**(params_from_config(dca_config) | self.given))
+        return self._last_algorithm
 
     def describe(self, config: Any) -> str:
-        p = self.pattern_for(config)
-        s, w, c = p.sizes(int(config.max_position_embeddings))
+        algorithm = self.algorithm_for(config)
+        s, w, c = algorithm.sizes(int(config.max_position_embeddings))
         dca_config = model_dca_config(config)
         if dca_config is None:
             source = "no dual_chunk_attention_config in the model"
-        elif p is self.pattern:
-            source = f"the model's dual_chunk_attention_config is not used with variant={p.variant!r}"
+        elif algorithm is self.algorithm:
+            source = f"the model's dual_chunk_attention_config is not used with variant={algorithm.variant!r}"
         else:
             given = ", ".join(sorted(self.given)) or "nothing"
             read = ", ".join(f"{k}={dca_config[k]}" for k in CONFIG_DEFAULTS if k in dca_config)
             source = f"from the model's dual_chunk_attention_config ({read}); given: {given}"
-        return (f"dca: variant={p.variant} chunk_size={s} local_window={w} pretraining_length={c} "
-                f"logit_scale={p.logit_scale} ({source})")
+        return (f"dca: variant={algorithm.variant} chunk_size={s} local_window={w} pretraining_length={c} "
+                f"logit_scale={algorithm.logit_scale} ({source})")
 
     def check_model(self, config: Any) -> None:
-        p = self.pattern_for(config)
+        algorithm = self.algorithm_for(config)
         logger.info(self.describe(config))
         dca_config = model_dca_config(config)
-        if p is not self.pattern and sparse_prefill_enabled(dca_config):
+        if algorithm is not self.algorithm and sparse_prefill_enabled(dca_config):
             threshold = dca_config.get("sparse_attention_threshold", 32768)
             logger.warning(
                 "dca: the model's dual_chunk_attention_config enables the serving engines' vertical-slash sparse "
@@ -117,7 +120,7 @@ class DualChunk(PatternBacked):
                 f"computes DCA exactly at every length (read and ignored: {', '.join(SPARSE_KEYS)})"
             )
 
-    def __call__(self, module, query, key, value, attention_mask, scaling: Optional[float] = None,
+    def __call__(self, module, query, key, value, attention_mask, *, scaling: Optional[float] = None,
                  dropout: float = 0.0, **kwargs: Any) -> tuple[torch.Tensor, None]:
         nq, nk = query.shape[2], key.shape[2]
         if attention_mask is not None and attention_mask.dim() != 2:
@@ -137,13 +140,13 @@ class DualChunk(PatternBacked):
                     "padding are not supported"
                 )
         config = module.config
-        p = self.pattern_for(config)
+        algorithm = self.algorithm_for(config)
         context = int(config.max_position_embeddings)
-        s, w, c = p.sizes(context)
+        s, w, c = algorithm.sizes(context)
         inv_freq = rope_inv_freq(config, "dca").to(query.device)
         # one factor per call from the whole length Nk, as the sources compute it
-        scale = p.scale(nk, query.shape[-1], context, scaling)
-        out = dca_attention(query, key, value, inv_freq, s, w, c, scale=scale, backend=p.backend,
-                            variant=p.variant, pieces=p.pieces)
+        scale = algorithm.scale(nk, query.shape[-1], context, scaling)
+        out = dca_attention(query, key, value, inv_freq=inv_freq, chunk_size=s, local_window=w, pretraining_length=c,
+                            scale=scale, backend=algorithm.backend, variant=algorithm.variant, pieces=algorithm.pieces)
         return out.transpose(1, 2).contiguous(), None
 

@@ -1,5 +1,5 @@
 """LongHeads inside a transformers model (the maths: ``attn_patterns.longheads``): what the
-pure pattern cannot know by itself: the RoPE frequencies the model rotated q/k with, its
+pure algorithm cannot know by itself: the RoPE frequencies the model rotated q/k with, its
 pretraining length, and which positions a call covers when a KV cache is in use.
 
 One path serves prefill, chunked prefill and cached decoding: the call's queries are the last
@@ -16,34 +16,35 @@ from typing import Any, Optional
 
 import torch
 
-from attn_patterns.longheads import LongHeads, attend, chunk_representations
+from attn_patterns.longheads import LongHeads, chunk_representations, longheads_attention
 from sparse_ft import rope
-from sparse_ft.methods.base import PatternBacked, Supports, register
+from sparse_ft.methods.base import AlgorithmMethod, Supports, register
 
 _STATE_ATTR = "_longheads_state"
 
 
 @register
-class LongHeadsMethod(PatternBacked):
+class LongHeadsMethod(AlgorithmMethod):
     name = "longheads"
-    pattern_class = LongHeads
+    algorithm_class = LongHeads
     supports = Supports(training=False, ppl=True, kv_cache=True, padding=("right",))
 
-    def __call__(self, module, query, key, value, attention_mask, scaling: Optional[float] = None,
+    def __call__(self, module, query, key, value, attention_mask, *, scaling: Optional[float] = None,
                  dropout: float = 0.0, **kwargs: Any) -> tuple[torch.Tensor, None]:
         """q (B,H,Nq,D), k/v (B,Hkv,Nk,D) -> (B,Nq,H,D)."""
         self.check_inputs(attention_mask, dropout)
-        p = self.pattern
+        algorithm = self.algorithm
         config = module.config
-        k_chunks = p.window(p.pretraining_length or rope.original_context(config))
+        chunks = algorithm.window(algorithm.pretraining_length or rope.original_context(config))
         inv_freq = rope.rope_inv_freq(config, "longheads").to(query.device)  # cheap; never stale after a RoPE change
-        reps = _update_state(module, query, key, value, p.chunk_size, inv_freq)
+        reps = _update_state(module, query, key, value, chunk_size=algorithm.chunk_size, inv_freq=inv_freq)
         scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
-        out = attend(query, key, value, reps, p.chunk_size, k_chunks, inv_freq, scale, p.keep_previous)
+        out = longheads_attention(query, key, value, reps=reps, chunk_size=algorithm.chunk_size, chunks=chunks,
+                                  inv_freq=inv_freq, scale=scale, keep_previous=algorithm.keep_previous)
         return out.transpose(1, 2).contiguous(), None
 
 
-def _update_state(module, query, key, value, l: int, inv_freq: torch.Tensor) -> torch.Tensor:
+def _update_state(module, query, key, value, *, chunk_size: int, inv_freq: torch.Tensor) -> torch.Tensor:
     """Representations (B,H,M,D) of every complete chunk of the ``Nk`` tokens, reusing those
     computed at earlier calls of the same sequence."""
     nq, nk = query.shape[2], key.shape[2]
@@ -60,12 +61,13 @@ def _update_state(module, query, key, value, l: int, inv_freq: torch.Tensor) -> 
         )
     done = state["reps"].shape[2]
     queries = torch.cat((state["pending"], query), dim=2)  # positions done·l .. nk-1
-    complete = nk // l
+    complete = nk // chunk_size
     if complete > done:
-        span = slice(done * l, complete * l)
-        new = chunk_representations(queries[:, :, : (complete - done) * l], key[:, :, span], value[:, :, span], l, done, inv_freq)
+        span = slice(done * chunk_size, complete * chunk_size)
+        new = chunk_representations(queries[:, :, : (complete - done) * chunk_size], key[:, :, span], value[:, :, span],
+                                    chunk_size=chunk_size, first_chunk=done, inv_freq=inv_freq)
         state["reps"] = torch.cat((state["reps"], new), dim=2)
-    state["pending"] = queries[:, :, (complete - done) * l :]
+    state["pending"] = queries[:, :, (complete - done) * chunk_size :]
     state["tokens"] = nk
     setattr(module, _STATE_ATTR, state)
     return state["reps"]

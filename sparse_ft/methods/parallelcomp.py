@@ -33,10 +33,11 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from attn_patterns.base import check_int
+from attn_patterns.checks import check_int
 from sparse_ft import rope
 from sparse_ft.attention import current_method, pretrained, use_attention
 from sparse_ft.methods.base import Method, Supports, greedy, model_device, register
+from sparse_ft.methods.pattern import ModelAttention
 
 PPL_UNSUPPORTED = (
     "ParallelComp ranks context chunks by the self-information of a query (-log P(query | chunk)); "
@@ -111,7 +112,8 @@ def region_of(layer: int, num_layers: int, layers: dict[str, tuple[float, float]
 
 
 def evict(
-    attention: torch.Tensor, kv_budget: Optional[int], threshold: Optional[float], region: Optional[str], bias_window: int
+    attention: torch.Tensor, *, kv_budget: Optional[int], threshold: Optional[float], region: Optional[str],
+    bias_window: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Which tokens of one chunk one layer keeps, per KV head, from their cumulative
     attention (Hkv, n): ``index`` (Hkv, n') of the tokens kept by compression (the
@@ -132,7 +134,7 @@ def evict(
 
 
 # --- the attention the model runs with while ParallelComp drives it, one method per phase -----
-def _masked_attention(query, key, value, visible, scale) -> torch.Tensor:
+def _masked_attention(query, key, value, *, visible, scale) -> torch.Tensor:
     """SDPA of q (B,H,Nq,D) over k/v (B,Hkv,Nk,D) where ``visible`` (B,Hkv,Nq,Nk) allows."""
     groups = query.shape[1] // key.shape[1]
     mask = visible.repeat_interleave(groups, dim=1)
@@ -159,14 +161,14 @@ class _Encode(Method):
         self.score_window = score_window
         self.recorded: dict[int, torch.Tensor] = {}
 
-    def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    def __call__(self, module, query, key, value, attention_mask, *, scaling=None, dropout=0.0, **kwargs):
         hkv, nk, nq = key.shape[1], key.shape[2], query.shape[2]
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         visible, rows, cols = _causal(query, key)
         if attention_mask is not None:  # left padding: pads see only themselves
             real = attention_mask[:, -nk:].bool()[:, None, None, :]
             visible = visible & real | (cols[None, :] == rows[:, None])
-        out = _masked_attention(query, key, value, visible, scale)
+        out = _masked_attention(query, key, value, visible=visible, scale=scale)
         last, groups = min(self.score_window, nq), query.shape[1] // hkv
         scores = torch.einsum("bhid,bhjd->bhij", query[:, :, -last:].float(), key.float().repeat_interleave(groups, 1)) * scale
         probs = scores.masked_fill(~visible[:, :, -last:].repeat_interleave(groups, dim=1), float("-inf")).softmax(-1)
@@ -183,13 +185,13 @@ class _Global(Method):
     def __init__(self, keep: dict[int, torch.Tensor]) -> None:
         self.keep = keep  # layer -> (1, Hkv, S) over the kept chunks' tokens
 
-    def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    def __call__(self, module, query, key, value, attention_mask, *, scaling=None, dropout=0.0, **kwargs):
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         visible, _, _ = _causal(query, key)
         keep = self.keep[module.layer_idx]
         kept = torch.ones(*key.shape[:3], dtype=torch.bool, device=query.device)
         kept[:, :, : keep.shape[-1]] = keep
-        out = _masked_attention(query, key, value, visible & kept[:, :, None, :], scale)
+        out = _masked_attention(query, key, value, visible=visible & kept[:, :, None, :], scale=scale)
         return out.transpose(1, 2).contiguous(), None
 
 
@@ -202,20 +204,20 @@ def _attending(model, method: Method) -> Iterator[None]:
     try:
         yield
     finally:
-        use_attention(model, previous if previous is not None else "full")
+        use_attention(model, previous if previous is not None else ModelAttention())
 
 
-def _encode(model, encoder: _Encode, spans, context, question, cfg, num_layers):
+def _encode(model, encoder: _Encode, *, spans, context, question, cfg, num_layers):
     """One parallel forward over ``[chunk, query]`` rows: per chunk its self-information and
     its per-layer (keys, values, keep mask) restricted to the chunk's tokens."""
     dev = model_device(model)
     wq = len(question)
-    width = max(e - s for s, e in spans) + wq
+    width = max(end - start for start, end in spans) + wq
     ids = torch.zeros(len(spans), width, dtype=torch.long, device=dev)
     mask = torch.zeros_like(ids)
-    for row, (s, e) in enumerate(spans):
-        ids[row, width - wq - (e - s) :] = torch.cat((context[s:e], question))
-        mask[row, width - wq - (e - s) :] = 1
+    for row, (start, end) in enumerate(spans):
+        ids[row, width - wq - (end - start) :] = torch.cat((context[start:end], question))
+        mask[row, width - wq - (end - start) :] = 1
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
     encoder.recorded = {}
     out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True, logits_to_keep=wq + 1)
@@ -223,17 +225,18 @@ def _encode(model, encoder: _Encode, spans, context, question, cfg, num_layers):
     info = -logp.gather(-1, question.expand(len(spans), wq).unsqueeze(-1)).squeeze(-1).sum(-1)
     cache = out.past_key_values
     results = []
-    for row, (s, e) in enumerate(spans):
-        first, last = width - wq - (e - s), width - wq
+    for row, (start, end) in enumerate(spans):
+        first, last = width - wq - (end - start), width - wq
         layers = []
         for layer in range(num_layers):
             k, v = _layer_kv(cache, layer)
             attention = encoder.recorded[layer][row, :, first:last]
             region = region_of(layer, num_layers, cfg.calibration_layers)
-            index, keep = evict(attention, cfg.kv_budget, cfg.calibration_threshold, region, cfg.bias_window)
+            index, keep = evict(attention, kv_budget=cfg.kv_budget, threshold=cfg.calibration_threshold, region=region,
+                                bias_window=cfg.bias_window)
             index = index.unsqueeze(-1).expand(-1, -1, k.shape[-1])
             layers.append((k[row, :, first:last].gather(1, index), v[row, :, first:last].gather(1, index), keep))
-        results.append((float(info[row]), e - s, layers))
+        results.append((float(info[row]), end - start, layers))
     return results
 
 
@@ -268,7 +271,8 @@ def select(model, context_ids: Sequence[int], question_ids: Sequence[int], cfg: 
     def stream():
         for lo in range(0, len(spans), cfg.batch_chunks):
             batch = spans[lo : lo + cfg.batch_chunks]
-            for offset, (info, length, layers) in enumerate(_encode(model, encoder, batch, context, question, cfg, num_layers)):
+            encoded = _encode(model, encoder, spans=batch, context=context, question=question, cfg=cfg, num_layers=num_layers)
+            for offset, (info, length, layers) in enumerate(encoded):
                 item = (info, lo + offset, (length, layers))
                 if tau is None or info <= tau:
                     yield item
@@ -282,7 +286,7 @@ def select(model, context_ids: Sequence[int], question_ids: Sequence[int], cfg: 
 
 
 def generate(
-    model, tokenizer, context_ids: Sequence[int], question_ids: Sequence[int], max_new_tokens: int, **params: Any
+    model, tokenizer, *, context_ids: Sequence[int], question_ids: Sequence[int], max_new_tokens: int, **params: Any
 ) -> list[int]:
     """Greedy answer to ``question_ids`` about ``context_ids`` (one sequence); returns the new
     token ids. ``params`` are :class:`ParallelCompConfig` fields."""
@@ -326,5 +330,6 @@ class ParallelComp(Method):
     def __init__(self, **params: Any) -> None:
         self.config = ParallelCompConfig(**params)
 
-    def generate(self, model, tokenizer, context_ids, question_ids, max_new_tokens) -> list[int]:
-        return generate(model, tokenizer, context_ids, question_ids, max_new_tokens, config=self.config)
+    def generate(self, model, tokenizer, *, context_ids, question_ids, max_new_tokens) -> list[int]:
+        return generate(model, tokenizer, context_ids=context_ids, question_ids=question_ids,
+                        max_new_tokens=max_new_tokens, config=self.config)

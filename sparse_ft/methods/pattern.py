@@ -1,4 +1,4 @@
-"""Static patterns inside a model (S², SCCA, SDA, LongMixed, ... and any registered later)
+"""Patterns inside a model (S², SCCA, SDA, LongMixed, causal, ... and any registered later)
 through one adapter, and ``full``: the model's own attention.
 
 A padded row is computed as if it were alone and unpadded: its real tokens go through the
@@ -19,17 +19,12 @@ from sparse_ft.methods.base import Method, Supports, register
 
 
 class PatternMethod(Method):
-    """Any static pattern (``Pattern.static``), trainable, on whole sequences only: a
-    pattern is defined over a whole sequence, so generation re-runs the sequence."""
+    """Any pattern, trainable, on whole sequences only: a pattern is defined over a whole
+    sequence, so generation re-runs the sequence."""
 
     supports = Supports(training=True, ppl=True, kv_cache=False, backends=(None, *BACKENDS))
 
     def __init__(self, pattern: Pattern) -> None:
-        if not pattern.static:
-            raise ValueError(
-                f"{pattern.name} moves positions or picks keys from the data, so it is no static pattern; "
-                f"use its method: sparse_ft.methods.get({pattern.name!r}, ...)"
-            )
         self.pattern = pattern
 
     @property
@@ -42,7 +37,7 @@ class PatternMethod(Method):
     def check_model(self, config: Any) -> None:
         self.pattern.check_heads(config.num_attention_heads)
 
-    def __call__(self, module, query, key, value, attention_mask, scaling: Optional[float] = None,
+    def __call__(self, module, query, key, value, attention_mask, *, scaling: Optional[float] = None,
                  dropout: float = 0.0, head_offset: int = 0, num_heads: Optional[int] = None,
                  **kwargs: Any) -> tuple[torch.Tensor, None]:
         """``head_offset`` / ``num_heads``: query holds heads ``[head_offset, ...)`` of
@@ -67,20 +62,19 @@ class PatternMethod(Method):
         d = query.shape[-1]
         if scaling is not None and not math.isclose(scaling, 1.0 / math.sqrt(d), rel_tol=1e-6):
             query = query * (scaling * math.sqrt(d))  # patterns use 1/sqrt(D)
-        out = pattern(query, key, value) if real is None else _per_row(pattern, query, key, value, real)
+        out = pattern(query, key, value) if real is None else _per_row(pattern, query, key, value, real=real)
         return out.transpose(1, 2).contiguous(), None
 
 
 @register
 class ModelAttention(Method):
     """``full``: the model's own attention implementation (sdpa, eager, flash...); switching
-    to it restores the model exactly, logits bit-identical to never having switched. (Given
-    pattern parameters, e.g. a backend, ``full`` names the ``full`` pattern through the
-    toolkit's kernels instead: :func:`sparse_ft.methods.get`.)"""
+    to it restores the model exactly, logits bit-identical to never having switched. It
+    takes no parameters and no backend: the model picks its kernel itself. Causal attention
+    on the toolkit's kernels, with a backend, is the pattern ``causal``."""
 
     name = "full"
-    # a backend makes ``full`` the pattern on the toolkit's kernels (see sparse_ft.methods.get)
-    supports = Supports(training=True, ppl=True, kv_cache=True, backends=(None, *BACKENDS))
+    supports = Supports(training=True, ppl=True, kv_cache=True)
     replaces_attention = False
 
     def apply(self, model: torch.nn.Module, length: int) -> None:
@@ -132,7 +126,7 @@ def _check_positions(position_ids: Optional[torch.Tensor], real: Optional[torch.
         )
 
 
-def _per_row(pattern: Pattern, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+def _per_row(pattern: Pattern, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, real: torch.Tensor) -> torch.Tensor:
     """Each row's run of real tokens through the pattern at its own length (rows sharing a
     run are batched together); padding queries get 0. Left and right padding both work."""
     n = real.shape[1]

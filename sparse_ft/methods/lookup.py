@@ -1,0 +1,94 @@
+"""Names to methods: every place that takes a method by name (recipes, ``--method``, the
+experiment's rows, ``sparse_ft.use_attention``) asks here, so a name means the same thing
+everywhere. Methods come from ``METHODS``, patterns from ``attn_patterns.PATTERNS`` through
+:class:`PatternMethod`; a name is looked up in both and must be in one."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+from attn_patterns import PATTERNS, Algorithm, Pattern
+from attn_patterns.kernels import auto_backend
+from sparse_ft.methods.base import METHODS, Method, Supports
+from sparse_ft.methods.pattern import PatternMethod
+
+
+def names(where: Optional[Callable[[Supports], bool]] = None) -> list[str]:
+    """Registered methods in registration order, then the patterns; with ``where``, those
+    whose default instance's ``supports`` satisfies it (``names(lambda s: s.training)``)."""
+    every = METHODS.names() + [n for n in PATTERNS.names() if n not in METHODS]
+    if where is None:
+        return every
+    return [n for n in every if _buildable(n) and where(get(n).supports)]
+
+
+def _buildable(name: str) -> bool:
+    try:
+        get(name)
+    except (TypeError, ValueError):  # e.g. ``mixed`` has no default parts
+        return False
+    return True
+
+
+def _named(flag: str, name: str) -> str:
+    return f"{flag} {name!r}" if flag.startswith("--") else f"{flag}={name!r}"
+
+
+def get(name: str, flag: str = "--method", /, **params: Any) -> Method:
+    """The method ``name`` with ``params``; errors name ``flag`` (the CLI flag or recipe key
+    the name came from). A pattern's name gives it through :class:`PatternMethod`. A name
+    must mean one thing: one registered both as a method and as a pattern is refused."""
+    if name in METHODS and name in PATTERNS:
+        raise ValueError(f"{_named(flag, name)} is registered both as a method (sparse_ft.methods) and as a pattern "
+                         "(attn_patterns); names must be unique across the two: rename one")
+    as_pattern = name in PATTERNS
+    registry = PATTERNS if as_pattern else METHODS
+    if name not in registry:
+        raise ValueError(f"{_named(flag, name)} is unknown; allowed: {', '.join(names())}")
+    allowed = registry.parameters(name)
+    unknown = ", ".join(sorted(set(params) - set(allowed)))
+    cli = flag.startswith("--")
+    if unknown and not allowed:
+        raise ValueError(f"{flag} {name} takes no --method-arg; got {unknown}" if cli else f"{name} takes no parameters; got {unknown}")
+    if unknown:
+        detail = f"{name}: parameter(s) {unknown} unknown; allowed: {', '.join(allowed)}"
+        raise ValueError(f"{flag} {name}: bad --method-arg ({detail})" if cli else detail)
+    built = registry.get(name, **params)
+    return PatternMethod(built) if as_pattern else built
+
+
+def resolve(spec: "str | Method | Pattern", flag: str = "--method", /, **params: Any) -> Method:
+    """A method from a name (with ``params``), a Method, or a Pattern object; an Algorithm
+    object is refused, since it runs in a model only through its method."""
+    if isinstance(spec, str):
+        return get(spec, flag, **params)
+    if params:
+        raise ValueError(f"parameters {sorted(params)} go with a name, not with the ready object {spec!r}")
+    if isinstance(spec, Method):
+        return spec
+    if isinstance(spec, Pattern):
+        return PatternMethod(spec)
+    if isinstance(spec, Algorithm):
+        raise ValueError(
+            f"{spec!r} moves positions or picks keys from the data, so it is no pattern a model can run as it is; "
+            f"use its method: sparse_ft.methods.get({spec.name!r}, ...)"
+        )
+    raise ValueError(f"{spec!r} is neither a method name, a Method nor a Pattern")
+
+
+def for_training(name: str, params: dict, backend: Optional[str], dtype: str) -> tuple[Method, Optional[str]]:
+    """The method a recipe trains through, and its backend with ``auto`` resolved on this
+    machine among the backends the method takes (flash-attn only where it can run: CUDA,
+    fp16/bf16, installed). Every error says which recipe key is wrong."""
+    method = get(name, "pattern", **params)
+    if not method.supports.training:
+        trainable = names(lambda s: s.training)
+        raise ValueError(f"pattern={name!r} cannot train (it is a training-free method); allowed: {', '.join(trainable)}")
+    if backend == "auto":
+        backend = auto_backend(dtype != "float32", method.supports.backends)
+    if backend not in method.supports.backends:
+        allowed = ", ".join(str(b) for b in method.supports.backends)
+        raise ValueError(f"attention.backend={backend!r} is not one {name} runs on; allowed: {allowed}")
+    if backend is not None:
+        method = get(name, "pattern", **params, backend=backend)
+    return method, backend
