@@ -7,6 +7,8 @@ from __future__ import annotations
 import difflib
 from typing import Any
 
+from sparse_ft.families import TINY_SHAPE
+
 # ByT5's byte vocabulary: 3 specials (pad 0, eos 1, unk 2) + 256 bytes + 125 extra ids.
 TINY_VOCAB = 384
 
@@ -20,13 +22,7 @@ def tiny_tokenizer():
 
 # The tiny model's LlamaConfig values; ``model.tiny`` / ``tiny_llama(**overrides)`` change them.
 TINY_CONFIG: dict[str, Any] = dict(
-    vocab_size=TINY_VOCAB,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=8,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
+    **TINY_SHAPE,
     rope_theta=10000.0,
     tie_word_embeddings=False,
     bos_token_id=None,

@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # layer above. sparse_ft.attention sits below sparse_ft.methods: the seam is one-way.
 LAYERS = [
     [("attn_patterns",)],
+    [("sparse_ft.families",)],
     [("sparse_ft.rope",), ("sparse_ft.tiny",), ("sparse_ft.quantization",), ("sparse_ft.outputs",), ("sparse_ft.attention",)],
     [("sparse_ft.methods",)],
     [("sparse_ft.models",), ("sparse_ft.data",)],

@@ -1,20 +1,19 @@
-"""Patterns inside real transformers models (Llama, Mistral, Qwen2 with grouped-query
-attention), against the same models running a dense masked reference attention."""
+"""Patterns inside real transformers models, a tiny one of every family in
+sparse_ft.families (Llama, Mistral, Qwen2, with grouped-query attention), against the same
+models running a dense masked reference attention."""
 
 import pytest
 import torch
 import transformers
-from transformers import AttentionInterface, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import AttentionInterface
 
 import attn_patterns
 from attn_patterns.reference import dense_attention
 from sparse_ft import methods, use_attention
 from sparse_ft.attention import current_method
+from sparse_ft.families import FAMILIES
 from sparse_ft.methods import Method
-from sparse_ft.tiny import tiny_llama
 
-SMALL = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-             num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256)
 # Parameters that make each pattern apply to 8 heads and the short test sequences; names not
 # listed here run with their defaults, so a newly registered pattern is tested at once.
 PARAMS = {
@@ -44,6 +43,8 @@ def has_hook(pattern):
 
 def _reference_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     mask = module._sparse_ft_method.pattern.mask(query.shape[2], query.shape[1])
+    if scaling is not None:  # a family's own softmax scale (patterns take it the same way)
+        query = query * (scaling * query.shape[-1] ** 0.5)
     return dense_attention(query, key, value, mask).transpose(1, 2).contiguous(), None
 
 
@@ -51,12 +52,8 @@ AttentionInterface.register("test_dense_reference", _reference_attention)
 
 
 def build(kind, seed=0):
-    if kind == "llama":
-        return tiny_llama(seed)
-    torch.manual_seed(seed)
-    if kind == "mistral":
-        return MistralForCausalLM(MistralConfig(**SMALL, sliding_window=None)).eval()
-    return Qwen2ForCausalLM(Qwen2Config(**SMALL, use_sliding_window=False)).eval()
+    """The tiny model of a listed family (sparse_ft.families)."""
+    return FAMILIES[kind].tiny_model(seed)
 
 
 def ids_of(shape, seed=1):
@@ -70,9 +67,14 @@ def logits_and_grad(model, ids):
     return logits.detach(), model.get_input_embeddings().weight.grad.clone()
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("kind", list(FAMILIES))
 def test_every_pattern_matches_dense_reference_in_model(kind):
-    model = build(kind)
+    check_patterns_match_dense_reference(build(kind), kind)
+
+
+def check_patterns_match_dense_reference(model, kind):
+    """Every pattern (values and gradients) against the dense masked reference inside ``model``;
+    the algorithms (DCA, LongHeads) run forward and backward. A family joins by being listed."""
     ids = ids_of((2, 29))
     for name in NAMES:
         pattern = pattern_of(name)  # a Pattern object: "causal" too runs through our function
@@ -165,7 +167,12 @@ def test_two_models_use_their_own_patterns():
 
 
 def test_future_tokens_do_not_change_earlier_logits():
-    model = build("qwen2")
+    check_no_future_leak(build("qwen2"))
+
+
+def check_no_future_leak(model):
+    """Changing the tokens after position t leaves the logits up to t bit-identical, for every
+    pattern and algorithm."""
     ids = ids_of((1, 33))
     for name in NAMES:
         use_attention(model, pattern_of(name))
@@ -287,7 +294,7 @@ def test_errors_name_the_problem():
     gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=64, n_positions=32))
     with pytest.raises(ValueError, match="no rotary embedding"):
         use_attention(gpt2, "s2")
-    mistral = MistralForCausalLM(MistralConfig(**SMALL, sliding_window=16)).eval()
+    mistral = FAMILIES["mistral"].tiny_model(sliding_window=16)
     use_attention(mistral, "s2")
     with pytest.raises(ValueError, match="sliding_window=16"):
         mistral(ids_of((1, 24)))

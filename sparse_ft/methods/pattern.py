@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from attn_patterns import Pattern
 from attn_patterns.kernels import BACKENDS
+from sparse_ft.families import geometry
 from sparse_ft.methods.base import Method, Supports, register
 
 
@@ -35,7 +36,7 @@ class PatternMethod(Method):
         return repr(self.pattern)
 
     def check_model(self, config: Any) -> None:
-        self.pattern.check_heads(config.num_attention_heads)
+        self.pattern.check_heads(geometry(config).heads)
 
     def __call__(self, module, query, key, value, attention_mask, *, scaling: Optional[float] = None,
                  dropout: float = 0.0, head_offset: int = 0, num_heads: Optional[int] = None,
