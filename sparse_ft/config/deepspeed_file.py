@@ -1,7 +1,7 @@
 """The DeepSpeed JSON a recipe names (``deepspeed: zero3_bf16``): found, read, and the keys
 that belong to the recipe rather than to the file. The file owns ZeRO's settings; the recipe
 owns optimizer, schedule, batch sizes, clipping and precision. A file contradicting the recipe
-is refused when the recipe loads (``schema.check_deepspeed``); the trainer fills the file's
+is refused when the recipe loads (``sparse_ft.config.schema``); the trainer fills the file's
 "auto"s for its world size (``sparse_ft.train.deepspeed``)."""
 
 from __future__ import annotations

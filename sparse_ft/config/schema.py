@@ -28,8 +28,6 @@ class AttentionSection:
     pattern: str = "scca_flow"  # any trainable name of sparse_ft.methods.names()
     params: dict = field(default_factory=dict)  # the pattern's parameters, checked against its signature
     backend: Optional[str] = None  # null = sdpa; auto = flash-attn where installed (CUDA, fp16/bf16), else sdpa
-    # the method built from the keys above at validation, once (no recipe key: not a field)
-    method = None
 
 
 @dataclass
@@ -139,8 +137,9 @@ def one_line(err: BaseException) -> str:
 
 
 def validate(recipe: Recipe) -> None:
-    """All of a typed recipe's checks; the first that fails raises. ``attention.backend: auto``
-    is resolved here, on the machine that loads the recipe."""
+    """All of a typed recipe's checks; the first that fails raises. The recipe stays data:
+    ``attention.backend: auto`` stays ``auto`` until the trainer resolves it on the machine
+    that trains."""
     flat = _flatten(recipe.to_dict())
     for key, allowed in CHOICES.items():
         if flat[key] not in allowed:
@@ -174,7 +173,7 @@ def validate(recipe: Recipe) -> None:
     _check_attention(recipe)
     _check_sequence_parallel(recipe)
     if recipe.deepspeed is not None:
-        check_deepspeed(recipe, read_deepspeed_config(recipe.deepspeed))
+        _check_deepspeed(recipe, read_deepspeed_config(recipe.deepspeed))
 
 
 def _check_output_dir(train: TrainSection) -> None:
@@ -222,14 +221,17 @@ def _check_tiny(model: ModelSection) -> None:
 
 
 def _check_attention(recipe: Recipe) -> None:
-    """Build the method the model trains through, once, so that every pattern, parameter and
-    backend error surfaces here. ``backend: auto`` is resolved on the machine that loads the
-    recipe (the one that trains), so the saved recipe names what ran."""
+    """The pattern, its parameters and the backend, checked by the code that will build the
+    method (a constructor is what knows its allowed values, e.g. ``chunks >= 1``); the method
+    built for the check is dropped, since the trainer builds the one it trains through.
+    ``auto`` is checked as the default backend every method takes: which backend it becomes is
+    the training machine's to say."""
     from sparse_ft import methods
 
     att = recipe.attention
+    given = None if att.backend == "auto" else att.backend
     try:
-        att.method, att.backend = methods.for_training(att.pattern, att.params, att.backend, recipe.model.dtype)
+        methods.for_training(att.pattern, att.params, given, recipe.model.dtype)
     except (TypeError, ValueError) as err:
         raise BadInput(f"recipe key attention.pattern / attention.params: {err}") from None
     if att.backend == "flash" and recipe.model.dtype == "float32":
@@ -263,7 +265,7 @@ def check_sequence_parallel(sp: int, world_size: int, heads: int, kv_heads: int)
         fail("train.sequence_parallel_size", sp, f"must divide the number of processes, {world_size} (data parallelism runs across world / sp groups)")
 
 
-def check_deepspeed(recipe: Recipe, config: dict) -> None:
+def _check_deepspeed(recipe: Recipe, config: dict) -> None:
     """Refuse a DeepSpeed config that would train differently from the recipe. (LongLoRA's
     ZeRO-3 config carried its own optimizer and schedule, which the HF Trainer silently used
     instead of the command line's.)"""

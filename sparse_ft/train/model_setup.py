@@ -1,18 +1,29 @@
 """The model a recipe trains: base weights, position interpolation composed with the model's
-own RoPE scaling, LoRA+ adapters, and the training attention pattern."""
+own RoPE scaling, LoRA+ adapters, and the attention method it trains through, built here once
+per run from the recipe's names (the recipe itself stays data)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Optional
 
-from sparse_ft import rope
+from sparse_ft import methods, rope
 from sparse_ft.attention import use_attention
 from sparse_ft.config import LoraSection, Recipe
 from sparse_ft.methods import Method
 from sparse_ft.models import DTYPES
 
 _KEEP_ALIVE: list = []  # transformers reads the ZeRO-3 config through a weak global reference
+
+
+def training_method(recipe: Recipe) -> Method:
+    """The method the run trains through. ``attention.backend: auto`` is resolved here, on the
+    machine that trains, and written into ``recipe``, so that the saved recipe and the
+    checkpoints' fingerprint name the backend that ran. The recipe's names were checked when
+    it loaded."""
+    att = recipe.attention
+    method, att.backend = methods.for_training(att.pattern, att.params, att.backend, recipe.model.dtype)
+    return method
 
 
 def base_model_path(recipe: Recipe) -> str:
@@ -30,8 +41,8 @@ def extended_config(path: str, target_length: int, method: str, trust_remote_cod
     return config
 
 
-def build_model(recipe: Recipe, path: str, ds_config: Optional[dict] = None):
-    """Base model with position interpolation, LoRA+ and the training pattern."""
+def build_model(recipe: Recipe, path: str, method: Method, ds_config: Optional[dict] = None):
+    """Base model with position interpolation, LoRA+ and the training ``method``."""
     from transformers import AutoModelForCausalLM
 
     config = extended_config(path, recipe.model.target_length, recipe.model.rope_method, recipe.model.trust_remote_code)
@@ -42,7 +53,7 @@ def build_model(recipe: Recipe, path: str, ds_config: Optional[dict] = None):
     model = AutoModelForCausalLM.from_pretrained(
         path, config=config, dtype=DTYPES[recipe.model.dtype], trust_remote_code=recipe.model.trust_remote_code
     )
-    return add_adapters(model, recipe.lora, recipe.attention.method, recipe.train.gradient_checkpointing)
+    return add_adapters(model, recipe.lora, method, recipe.train.gradient_checkpointing)
 
 
 def add_adapters(model, lora: LoraSection, method: Method, gradient_checkpointing: bool):

@@ -1,6 +1,7 @@
 """The training recipe as one explicit class (torchtune style): ``Trainer.run`` calls its
-stages in order (processes and the output directory, data, model, engine, resume, the loop, the
-adapter), each a short method that a variant can override. Deterministic data order,
+stages in order (the attention method, the input checks, processes and the output directory,
+data, model, engine, resume, the loop, the adapter), each a short method that a variant can
+override. Deterministic data order,
 accumulation, logging, checkpoints and a bit-identical resume."""
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from sparse_ft.train.distributed import init_distributed
 from sparse_ft.train.engine import Engine
 from sparse_ft.train.fingerprint import check_resume, fingerprint
 from sparse_ft.train.metrics import MetricLog, peak_memory_mib
-from sparse_ft.train.model_setup import base_model_path, build_model
+from sparse_ft.train.model_setup import base_model_path, build_model, training_method
 from sparse_ft.train.preflight import preflight
 from sparse_ft.train.rundir import RunLock, claim_checkpoints
 
@@ -104,7 +105,8 @@ class Trainer:
         """Train to the end (resuming where a checkpoint allows) and save the adapter; returns
         the run's summary. Every bad input fails in preflight, in one line, before anything
         loads or is written; the output directory's lock is released however the rest ends."""
-        preflight(self.recipe)
+        self.setup_method()
+        preflight(self.recipe, self.method)
         try:
             self.setup_distributed()
             self.setup_data()
@@ -116,6 +118,11 @@ class Trainer:
             return self.save()
         finally:
             self.lock.release()
+
+    def setup_method(self) -> None:
+        """The attention method the model trains through, built once for the whole run, with
+        ``attention.backend: auto`` resolved on this machine (before the recipe is saved)."""
+        self.method = training_method(self.recipe)
 
     def setup_distributed(self) -> None:
         """Join the process group; rank 0 takes the output directory while the others wait for
@@ -182,7 +189,7 @@ class Trainer:
         torch.manual_seed(self.recipe.train.seed)  # identical LoRA initialisation on every rank
         on_cuda = torch.cuda.is_available()
         self.ds_config = resolve_deepspeed_config(self.recipe, self.world, on_cuda) if self.use_deepspeed else None
-        self.model = build_model(self.recipe, self.base, self.ds_config)
+        self.model = build_model(self.recipe, self.base, self.method, self.ds_config)
         self.mpu = sequence_parallel.register(self.model, self.recipe) if self.recipe.train.sequence_parallel_size > 1 else None
         self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if on_cuda else torch.device("cpu")
 
