@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 from sparse_ft.config.paths import TINY_BASE_DIR as ASSET_DIR
-from sparse_ft.config.schema import CHOICES
+from sparse_ft.dtypes import NAMES as DTYPES
 
 if TYPE_CHECKING:
     import numpy as np
@@ -59,8 +59,8 @@ class PretrainConfig:
     passkey_depths: list[float] = field(default_factory=lambda: [0.0, 0.5, 1.0])
 
     def validate(self) -> None:
-        if self.save_dtype not in CHOICES["model.dtype"]:
-            raise ValueError(f"save_dtype={self.save_dtype!r} is unknown; allowed: {', '.join(CHOICES['model.dtype'])}")
+        if self.save_dtype not in DTYPES:
+            raise ValueError(f"save_dtype={self.save_dtype!r} is unknown; allowed: {', '.join(DTYPES)}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads={self.num_attention_heads} must be a multiple of "
                              f"num_key_value_heads={self.num_key_value_heads}")
@@ -175,10 +175,11 @@ def machine() -> dict:
 
 def save(model, tokenizer, stats: dict, output: Path, save_dtype: str, overwrite: bool = False) -> Path:
     """Written to a temporary directory and renamed: an interrupted save leaves the old one."""
-    from sparse_ft.models import DTYPES, atomic_directory
+    from sparse_ft.dtypes import torch_dtype
+    from sparse_ft.models import atomic_directory
 
     with atomic_directory(Path(output), "sparse-ft pretrain", overwrite, "--output") as tmp:
-        model.to(DTYPES[save_dtype]).save_pretrained(tmp, safe_serialization=True)
+        model.to(torch_dtype(save_dtype)).save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         (tmp / "pretrain_stats.json").write_text(json.dumps(stats, indent=1))
     return output
@@ -236,7 +237,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace --output when it holds an earlier sparse-ft output")
     for key, text in FLAGS.items():
         p.add_argument("--" + key.replace("_", "-"), type=type(getattr(defaults, key)), default=getattr(defaults, key), help=text)
-    p.add_argument("--save-dtype", default=defaults.save_dtype, choices=CHOICES["model.dtype"], help="dtype of the saved weights")
+    p.add_argument("--save-dtype", default=defaults.save_dtype, choices=DTYPES, help="dtype of the saved weights")
     p.add_argument("--init-from", type=Path, default=None, help="continue from this checkpoint, a second phase (default: a fresh model)")
     p.add_argument("--passkey-fraction", type=float, default=None,
                    help="share of passkey documents when the corpus is built here (default: data/build_corpus.py's)")

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # may import its own group and lower layers, never a group beside it or a layer above.
 LAYERS = [
     [("attn_patterns",)],
-    [("sparse_ft.rope",), ("sparse_ft.tiny",), ("sparse_ft.quantization",)],
+    [("sparse_ft.rope",), ("sparse_ft.tiny",), ("sparse_ft.quantization",), ("sparse_ft.dtypes",)],
     [("sparse_ft.methods", "sparse_ft.attention")],
     [("sparse_ft.models",), ("sparse_ft.data",)],
     [("sparse_ft.config",)],

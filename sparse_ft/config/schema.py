@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, NoReturn, Optional
 
 from sparse_ft.config.deepspeed_file import RECIPE_OWNED, is_auto, precision, read_deepspeed_config
+from sparse_ft.dtypes import NAMES as DTYPE_NAMES
 
 
 @dataclass
@@ -99,7 +100,7 @@ class Recipe:
 
 
 CHOICES = {
-    "model.dtype": ("float32", "float16", "bfloat16"),
+    "model.dtype": DTYPE_NAMES,
     "model.rope_method": ("linear", "dynamic", "yarn"),
     "attention.backend": (None, "auto", "sdpa", "flash", "flex"),
     "train.scheduler": ("constant", "linear", "cosine"),
