@@ -12,6 +12,7 @@ from typing import Any, NoReturn, Optional
 
 from sparse_ft.config.deepspeed_file import RECIPE_OWNED, is_auto, precision, read_deepspeed_config
 from sparse_ft.dtypes import NAMES as DTYPE_NAMES
+from sparse_ft.rope import METHODS as ROPE_METHODS
 
 
 @dataclass
@@ -101,7 +102,7 @@ class Recipe:
 
 CHOICES = {
     "model.dtype": DTYPE_NAMES,
-    "model.rope_method": ("linear", "dynamic", "yarn"),
+    "model.rope_method": tuple(ROPE_METHODS),
     "attention.backend": (None, "auto", "sdpa", "flash", "flex"),
     "train.scheduler": ("constant", "linear", "cosine"),
 }
