@@ -159,7 +159,6 @@ def validate(recipe: Recipe) -> None:
         fail("train.max_grad_norm", train.max_grad_norm, "must be > 0 (gradients are clipped to this norm)")
     if train.save_total_limit < 0:
         fail("train.save_total_limit", train.save_total_limit, "must be >= 1 (checkpoints kept), or 0 to keep every checkpoint")
-    _check_paths(train)
     if len(train.betas) != 2 or not all(0 <= b < 1 for b in train.betas):
         fail("train.betas", train.betas, "two numbers in [0, 1)")
     for reporter in train.report_to:
@@ -179,6 +178,10 @@ def validate(recipe: Recipe) -> None:
 
 
 def _check_output_dir(train: TrainSection) -> None:
+    """By the time the trainer reached the output directory it would have written into it.
+    (The checkpoint ``train.resume`` names is the trainer's to check: its files are.)"""
+    if Path(train.output_dir).exists() and not Path(train.output_dir).is_dir():
+        fail("train.output_dir", train.output_dir, "a directory (to be created, or an earlier run's); this is a file")
     if train.overwrite_output_dir and train.resume != "never":
         fail("train.overwrite_output_dir", True, f"only applies with train.resume=never (a fresh run), not {train.resume!r}")
     for key in train.resume_allow_changes:
@@ -193,18 +196,6 @@ def _check_data(recipe: Recipe) -> None:
     if data.seq_len is not None and not 2 <= data.seq_len <= recipe.model.target_length:
         fail("data.seq_len", data.seq_len,
              f"must be in [2, model.target_length={recipe.model.target_length}], or null (= model.target_length)")
-
-
-def _check_paths(train: TrainSection) -> None:
-    """The output directory and the checkpoint to resume from: by the time the trainer reached
-    them it would have written into the output directory."""
-    if Path(train.output_dir).exists() and not Path(train.output_dir).is_dir():
-        fail("train.output_dir", train.output_dir, "a directory (to be created, or an earlier run's); this is a file")
-    if train.resume not in ("auto", "never"):
-        checkpoint = Path(train.resume)
-        if not (checkpoint / "meta.json").is_file():
-            found = "it has no meta.json (not a checkpoint, or one whose save did not finish)" if checkpoint.is_dir() else "no such directory"
-            fail("train.resume", train.resume, f"allowed: auto, never, or a checkpoint-N directory with meta.json; {found}")
 
 
 def _check_tiny(model: ModelSection) -> None:

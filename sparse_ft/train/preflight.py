@@ -17,6 +17,7 @@ from sparse_ft.config.schema import BadInput, check_sequence_parallel, fail, one
 from sparse_ft.data.packing import check_source
 from sparse_ft.methods import Method
 from sparse_ft.models import load_tokenizer
+from sparse_ft.train import checkpoint
 from sparse_ft.tiny import tiny_llama_config, tiny_tokenizer
 
 
@@ -25,6 +26,8 @@ def preflight(recipe: Recipe, method: Method) -> None:
     ``method``. Loads no weights and writes nothing, so every rank runs it before the trainer
     starts; the data is read by the first rank only (a launcher stops the others when one
     fails)."""
+    if recipe.train.resume not in ("auto", "never"):
+        checkpoint.named_checkpoint(recipe.train.resume)
     if recipe.attention.backend == "flash" and not kernels.flash_available():
         fail("attention.backend", "flash", "flash-attn cannot run here (it needs the flash-attn package and a CUDA device); "
              "use sdpa, or auto (flash where it can run)")

@@ -96,6 +96,7 @@ class Trainer:
     def __init__(self, recipe: Recipe) -> None:
         self.recipe = recipe
         self.out = Path(recipe.train.output_dir)
+        self.base = base_model_path(recipe)  # where the tiny model is written first, when the recipe names it
         self.use_deepspeed = recipe.deepspeed is not None
         self.lock = RunLock(self.out)
         # False until the loop starts: an error before it is the recipe's or the directory's (train.py prints one line)
@@ -132,7 +133,7 @@ class Trainer:
         self.fingerprint = fingerprint(self.recipe, self.world)
         resume = self.recipe.train.resume
         step = self._decided_by_rank0(self._take_output_dir)
-        self.resume_from = None if step < 0 else Path(resume) if resume != "auto" else self.out / f"checkpoint-{step}"
+        self.resume_from = None if step < 0 else Path(resume) if resume != "auto" else checkpoint.directory(self.out, step)
 
     def _take_output_dir(self) -> int:
         """Rank 0: lock the directory, keep a fresh run from an earlier run's checkpoints, pick
@@ -149,7 +150,7 @@ class Trainer:
         save_resolved(self.recipe, self.out)
         print(f"recipe {self.recipe.name}:\n{format_recipe(self.recipe)}", flush=True)
         if self.recipe.model.name_or_path == "tiny":
-            materialize_tiny(self.out / "base-model", t.seed, **self.recipe.model.tiny)
+            materialize_tiny(Path(self.base), t.seed, **self.recipe.model.tiny)
         return meta["step"] if meta is not None else -1
 
     def _decided_by_rank0(self, decide: Callable[[], int]) -> int:
@@ -172,7 +173,6 @@ class Trainer:
         """The packed training set (rank 0 tokenizes, the others then read its cache), its
         per-rank order, and the run's length in optimizer steps."""
         recipe = self.recipe
-        self.base = base_model_path(recipe)
         self.tokenizer = load_tokenizer(self.base, recipe.model.trust_remote_code)
         build = lambda: build_train_dataset(recipe.data, self.tokenizer, recipe.seq_len, recipe.model.trust_remote_code)  # noqa: E731
         if self.rank == 0:
