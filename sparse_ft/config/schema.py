@@ -62,9 +62,11 @@ class TrainSection:
     num_epochs: int = 1
     lr: float = 2e-5
     weight_decay: float = 0.0
+    weight_decay_on: str = "all"  # all trainable parameters, or matrices only (norm weights and biases never decay)
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     warmup_steps: int = 20
     scheduler: str = "constant"
+    min_lr_ratio: float = 0.0  # where linear / cosine decay ends, as a fraction of lr
     per_device_batch_size: int = 1
     gradient_accumulation_steps: int = 8
     gradient_checkpointing: bool = True
@@ -105,6 +107,7 @@ CHOICES = {
     "model.rope_method": tuple(ROPE_METHODS),
     "attention.backend": (None, "auto", "sdpa", "flash", "flex"),
     "train.scheduler": ("constant", "linear", "cosine"),
+    "train.weight_decay_on": ("all", "matrices"),
 }
 POSITIVE = {"model.target_length", "lora.r", "lora.alpha", "train.per_device_batch_size",
             "train.gradient_accumulation_steps", "train.sequence_parallel_size", "train.save_steps", "train.log_steps", "train.num_epochs"}
@@ -116,8 +119,8 @@ RESUME_KEYS = ("model.name_or_path", "model.dtype", "model.target_length", "mode
                "attention.pattern", "attention.params", "attention.backend",
                "lora.r", "lora.alpha", "lora.dropout", "lora.target_modules", "lora.extra_trainable",
                "data.source", "data.split", "data.text_column", "data.min_tokens", "data.seq_len", "data.streaming",
-               "data.max_documents", "train.seed", "train.lr", "train.betas", "train.weight_decay", "train.scheduler",
-               "train.warmup_steps", "train.max_steps", "train.num_epochs", "train.per_device_batch_size",
+               "data.max_documents", "train.seed", "train.lr", "train.betas", "train.weight_decay", "train.weight_decay_on",
+               "train.scheduler", "train.min_lr_ratio", "train.warmup_steps", "train.max_steps", "train.num_epochs", "train.per_device_batch_size",
                "train.gradient_accumulation_steps", "train.sequence_parallel_size", "train.max_grad_norm")
 
 
@@ -155,6 +158,10 @@ def validate(recipe: Recipe) -> None:
         fail("train.max_steps", train.max_steps, "must be >= 1, or -1 to run train.num_epochs")
     if train.lr <= 0:
         fail("train.lr", train.lr, "must be > 0")
+    if not 0 <= train.min_lr_ratio <= 1:
+        fail("train.min_lr_ratio", train.min_lr_ratio, "must be in [0, 1] (the decay's end, as a fraction of train.lr)")
+    if train.min_lr_ratio and train.scheduler == "constant":
+        fail("train.min_lr_ratio", train.min_lr_ratio, "only applies with train.scheduler linear or cosine, not constant")
     if train.max_grad_norm <= 0:
         fail("train.max_grad_norm", train.max_grad_norm, "must be > 0 (gradients are clipped to this norm)")
     if train.save_total_limit < 0:

@@ -73,11 +73,11 @@ class DeepSpeedEngine(Engine):
     def autocast(self):
         return nullcontext()  # the engine casts the model to the config's precision
 
-    def _build_optimizer(self, trainable, recipe, factor):
+    def _build_optimizer(self, groups, recipe, factor):
         import deepspeed
 
         self.engine, optimizer, _, scheduler = deepspeed.initialize(
-            model=self.model, model_parameters=trainable, config=self.ds_config,
+            model=self.model, model_parameters=groups, config=self.ds_config,
             lr_scheduler=lambda opt: LambdaLR(opt, factor), mpu=self.mpu,
         )
         return optimizer, scheduler
