@@ -43,6 +43,12 @@ def extended_config(path: str, target_length: int, method: str, trust_remote_cod
 
 def build_model(recipe: Recipe, path: str, method: Method, ds_config: Optional[dict] = None):
     """Base model with position interpolation, LoRA+ and the training ``method``."""
+    return add_adapters(load_base(recipe, path, ds_config), recipe.lora, method, recipe.train.gradient_checkpointing)
+
+
+def load_base(recipe: Recipe, path: str, ds_config: Optional[dict] = None):
+    """The base model at ``path`` in the recipe's dtype, extended to ``model.target_length``;
+    under ZeRO-3 its weights load partitioned."""
     from transformers import AutoModelForCausalLM
 
     config = extended_config(path, recipe.model.target_length, recipe.model.rope_method, recipe.model.trust_remote_code)
@@ -50,20 +56,26 @@ def build_model(recipe: Recipe, path: str, method: Method, ds_config: Optional[d
         from transformers.integrations import HfDeepSpeedConfig
 
         _KEEP_ALIVE.append(HfDeepSpeedConfig(ds_config))  # weights load partitioned (zero.Init)
-    model = AutoModelForCausalLM.from_pretrained(
+    return AutoModelForCausalLM.from_pretrained(
         path, config=config, dtype=DTYPES[recipe.model.dtype], trust_remote_code=recipe.model.trust_remote_code
     )
-    return add_adapters(model, recipe.lora, method, recipe.train.gradient_checkpointing)
 
 
-def add_adapters(model, lora: LoraSection, method: Method, gradient_checkpointing: bool):
-    """The training pattern, gradient checkpointing and LoRA+ on a loaded base model: what a
-    recipe trains, in one place, so that ``sparse-ft bench train`` measures the same step."""
-    from peft import LoraConfig, get_peft_model
-
+def train_through(model, method: Method, gradient_checkpointing: bool):
+    """``model`` attending through the training ``method``, with gradient checkpointing when
+    asked: what every trained model gets, its adapters or not."""
     use_attention(model, method)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def add_adapters(model, lora: LoraSection, method: Method, gradient_checkpointing: bool):
+    """The training method, gradient checkpointing and LoRA+ on a loaded base model: what a
+    recipe trains, in one place, so that ``sparse-ft bench train`` measures the same step."""
+    from peft import LoraConfig, get_peft_model
+
+    train_through(model, method, gradient_checkpointing)
     config = LoraConfig(
         r=lora.r,
         lora_alpha=lora.alpha,

@@ -26,6 +26,16 @@ def preflight(recipe: Recipe, method: Method) -> None:
     ``method``. Loads no weights and writes nothing, so every rank runs it before the trainer
     starts; the data is read by the first rank only (a launcher stops the others when one
     fails)."""
+    config = check_model(recipe, method)
+    _check_lora(recipe, _skeleton(recipe, config))
+    if int(os.environ.get("RANK", "0")) == 0:  # one read of the data per run, not one per rank
+        _check_data(recipe)
+
+
+def check_model(recipe: Recipe, method: Method):
+    """The checks of :func:`preflight` that any training of the recipe's model needs, adapters
+    and data aside: the checkpoint to resume, the backend, the model's config and heads.
+    Returns the model's config."""
     if recipe.train.resume not in ("auto", "never"):
         checkpoint.named_checkpoint(recipe.train.resume)
     if recipe.attention.backend == "flash" and not kernels.flash_available():
@@ -33,9 +43,7 @@ def preflight(recipe: Recipe, method: Method) -> None:
              "use sdpa, or auto (flash where it can run)")
     config = _model_config(recipe)
     _check_heads(recipe, config, method)
-    _check_lora(recipe, _skeleton(recipe, config))
-    if int(os.environ.get("RANK", "0")) == 0:  # one read of the data per run, not one per rank
-        _check_data(recipe)
+    return config
 
 
 def _model_key(recipe: Recipe) -> tuple[str, Any]:

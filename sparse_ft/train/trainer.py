@@ -93,8 +93,9 @@ def total_steps(recipe: Recipe, order: DataOrder) -> int:
 class Trainer:
     """One run of ``recipe``: every rank constructs one and calls :meth:`run`."""
 
-    def __init__(self, recipe: Recipe) -> None:
+    def __init__(self, recipe: Recipe, progress: bool = True) -> None:
         self.recipe = recipe
+        self.progress = progress  # rank 0's progress bar
         self.out = Path(recipe.train.output_dir)
         self.base = base_model_path(recipe)  # where the tiny model is written first, when the recipe names it
         self.use_deepspeed = recipe.deepspeed is not None
@@ -107,7 +108,7 @@ class Trainer:
         the run's summary. Every bad input fails in preflight, in one line, before anything
         loads or is written; the output directory's lock is released however the rest ends."""
         self.setup_method()
-        preflight(self.recipe, self.method)
+        self.preflight()
         try:
             self.setup_distributed()
             self.setup_data()
@@ -124,6 +125,10 @@ class Trainer:
         """The attention method the model trains through, built once for the whole run, with
         ``attention.backend: auto`` resolved on this machine (before the recipe is saved)."""
         self.method = training_method(self.recipe)
+
+    def preflight(self) -> None:
+        """Every input the run reads, checked before anything loads or is written."""
+        preflight(self.recipe, self.method)
 
     def setup_distributed(self) -> None:
         """Join the process group; rank 0 takes the output directory while the others wait for
@@ -174,14 +179,19 @@ class Trainer:
         per-rank order, and the run's length in optimizer steps."""
         recipe = self.recipe
         self.tokenizer = load_tokenizer(self.base, recipe.model.trust_remote_code)
-        build = lambda: build_train_dataset(recipe.data, self.tokenizer, recipe.seq_len, recipe.model.trust_remote_code)  # noqa: E731
         if self.rank == 0:
-            self.dataset = build()
+            self.dataset = self.load_dataset()
         self.barrier()
         if self.rank != 0:
-            self.dataset = build()
+            self.dataset = self.load_dataset()
         self.order = DataOrder(len(self.dataset), recipe.train.per_device_batch_size, self.world, self.rank, recipe.train.seed)
         self.steps = total_steps(recipe, self.order)
+
+    def load_dataset(self) -> torch.utils.data.Dataset:
+        """The recipe's documents, tokenised and packed into ``seq_len`` samples through a cache
+        (rank 0 writes it, the others then read it)."""
+        r = self.recipe
+        return build_train_dataset(r.data, self.tokenizer, r.seq_len, r.model.trust_remote_code)
 
     def setup_model(self) -> None:
         """Base model, position interpolation, LoRA+ and the training pattern; under ZeRO-3
@@ -189,9 +199,13 @@ class Trainer:
         torch.manual_seed(self.recipe.train.seed)  # identical LoRA initialisation on every rank
         on_cuda = torch.cuda.is_available()
         self.ds_config = resolve_deepspeed_config(self.recipe, self.world, on_cuda) if self.use_deepspeed else None
-        self.model = build_model(self.recipe, self.base, self.method, self.ds_config)
+        self.model = self.build_model()
         self.mpu = sequence_parallel.register(self.model, self.recipe) if self.recipe.train.sequence_parallel_size > 1 else None
         self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if on_cuda else torch.device("cpu")
+
+    def build_model(self) -> torch.nn.Module:
+        """The base with position interpolation, LoRA+ and the training method."""
+        return build_model(self.recipe, self.base, self.method, self.ds_config)
 
     def setup_engine(self) -> None:
         """The optimizer and schedule, through DeepSpeed when the recipe names a config."""
@@ -228,7 +242,7 @@ class Trainer:
         t = self.recipe.train
         self.log = MetricLog(self.out, t.report_to, self.history) if self.rank == 0 else None
         self.batches = self.micro_batches(self.start * t.gradient_accumulation_steps)
-        with tqdm(total=self.steps, initial=self.start, desc=f"train {self.recipe.name}", disable=self.rank != 0, unit="step") as bar:
+        with tqdm(total=self.steps, initial=self.start, desc=f"train {self.recipe.name}", disable=self.rank != 0 or not self.progress, unit="step") as bar:
             for step in range(self.start, self.steps):
                 record = self._step(step)
                 self.history.append(record)
@@ -274,17 +288,24 @@ class Trainer:
         checkpoint.save_checkpoint(self.engine, self.out, step, meta, self.recipe.train.save_total_limit)
 
     def save(self) -> dict:
-        """The probe logits, the adapter and the summary (``train_summary.json``)."""
+        """The probe logits, the adapter and the summary."""
         write_probe(self.engine, self.dataset[0]["input_ids"][:128], self.device, self.out / "adapter_probe.safetensors")
         adapter_dir = save_adapter(self.engine, self.out / "adapter", self.recipe, self.base, self.tokenizer)
+        summary = self.summary({"adapter": str(adapter_dir)})
+        if self.rank == 0:
+            print(f"adapter saved to {adapter_dir}", flush=True)
+        return summary
+
+    def summary(self, saved: dict) -> dict:
+        """The run's summary, with what it ``saved``, also written as ``train_summary.json``;
+        the metric log is closed."""
         if self.log is not None:
             self.log.close()
         history = self.history
-        summary = {"steps": self.steps, "final_loss": history[-1]["loss"] if history else None, "adapter": str(adapter_dir),
+        summary = {"steps": self.steps, "final_loss": history[-1]["loss"] if history else None, **saved,
                    "world_size": self.world, "history": history}
         if self.rank == 0:
             (self.out / "train_summary.json").write_text(json.dumps(summary, indent=1))
-            print(f"adapter saved to {adapter_dir}", flush=True)
         return summary
 
 
