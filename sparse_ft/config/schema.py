@@ -120,8 +120,9 @@ RESUME_KEYS = ("model.name_or_path", "model.dtype", "model.target_length", "mode
                "lora.r", "lora.alpha", "lora.dropout", "lora.target_modules", "lora.extra_trainable",
                "data.source", "data.split", "data.text_column", "data.min_tokens", "data.seq_len", "data.streaming",
                "data.max_documents", "train.seed", "train.lr", "train.betas", "train.weight_decay", "train.weight_decay_on",
-               "train.scheduler", "train.min_lr_ratio", "train.warmup_steps", "train.max_steps", "train.num_epochs", "train.per_device_batch_size",
-               "train.gradient_accumulation_steps", "train.sequence_parallel_size", "train.max_grad_norm")
+               "train.scheduler", "train.min_lr_ratio", "train.warmup_steps", "train.max_steps", "train.num_epochs",
+               "train.per_device_batch_size", "train.gradient_accumulation_steps", "train.sequence_parallel_size",
+               "train.max_grad_norm")
 
 
 class BadInput(ValueError):

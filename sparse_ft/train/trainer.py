@@ -1,8 +1,8 @@
 """The training recipe as one explicit class (torchtune style): ``Trainer.run`` calls its
 stages in order (the attention method, the input checks, processes and the output directory,
 data, model, engine, resume, the loop, the adapter), each a short method that a variant can
-override. Deterministic data order,
-accumulation, logging, checkpoints and a bit-identical resume."""
+override (``sparse_ft.train.pretrainer``). Deterministic data order, accumulation, logging,
+checkpoints and a bit-identical resume."""
 
 from __future__ import annotations
 
@@ -242,7 +242,8 @@ class Trainer:
         t = self.recipe.train
         self.log = MetricLog(self.out, t.report_to, self.history) if self.rank == 0 else None
         self.batches = self.micro_batches(self.start * t.gradient_accumulation_steps)
-        with tqdm(total=self.steps, initial=self.start, desc=f"train {self.recipe.name}", disable=self.rank != 0 or not self.progress, unit="step") as bar:
+        quiet = self.rank != 0 or not self.progress
+        with tqdm(total=self.steps, initial=self.start, desc=f"train {self.recipe.name}", disable=quiet, unit="step") as bar:
             for step in range(self.start, self.steps):
                 record = self._step(step)
                 self.history.append(record)
