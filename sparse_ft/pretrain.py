@@ -39,7 +39,7 @@ STATS_FILE = "pretrain_stats.json"
 
 @dataclass
 class PretrainConfig:
-    """Defaults: the committed checkpoint (~10 minutes on 2 idle CPU cores)."""
+    """Defaults: the settings of the committed checkpoint (10 minutes on 2 idle CPU cores)."""
 
     hidden_size: int = 128
     intermediate_size: int = 384
