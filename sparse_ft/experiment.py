@@ -24,6 +24,7 @@ from typing import Any, Optional
 
 from sparse_ft.config.paths import RECIPE_DIRS
 from sparse_ft.pretrain import ASSET_DIR, machine
+from sparse_ft.rope import METHODS as ROPE_METHODS
 
 HELP = "the tiny base extended 4x by every pattern and training-free method: tables, plots"
 RECIPE = RECIPE_DIRS[0] / "experiment" / "tiny_4x.yaml"
@@ -281,7 +282,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", default=None, help=f"results folder (default {d.output}, with --quick {QUICK['output']})")
     p.add_argument("--runs", default=None, help=f"adapters (default {d.runs}, with --quick {QUICK['runs']})")
     p.add_argument("--recipe", default=d.recipe, help="the fine-tuning recipe every pattern shares")
-    p.add_argument("--rope-method", default=d.rope_method, choices=["linear", "dynamic", "yarn"],
+    p.add_argument("--rope-method", default=d.rope_method, choices=list(ROPE_METHODS),
                    help="RoPE extension of the fine-tuned rows (default linear = PI); other methods write to "
                         "<output>-<method> and <runs>-<method> unless --output/--runs are given")
     p.add_argument("--patterns", type=_list(str), default=None, help=f"trained patterns (default {','.join(PATTERNS)})")

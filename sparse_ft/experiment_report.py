@@ -11,8 +11,7 @@ from statistics import mean
 
 from sparse_ft.evaluation.plots import plot_passkey, plot_ppl
 from sparse_ft.evaluation.report import write_json
-
-ROPE_NAMES = {"linear": "PI", "dynamic": "dynamic NTK", "yarn": "YaRN"}
+from sparse_ft.rope import METHODS as ROPE_NAMES
 
 
 def _shown(path: str) -> str:

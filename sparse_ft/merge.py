@@ -10,7 +10,7 @@ import argparse
 from pathlib import Path
 from typing import Optional
 
-from sparse_ft.config.schema import CHOICES
+from sparse_ft.dtypes import NAMES as DTYPES
 
 HELP = "merge a trained adapter into its base model"
 
@@ -21,21 +21,22 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", required=True, type=Path,
                    help="directory for the merged model (safetensors); new, empty, or an earlier output with --overwrite")
     p.add_argument("--overwrite", action="store_true", help="replace --output when it holds an earlier sparse-ft output")
-    p.add_argument("--dtype", choices=CHOICES["model.dtype"], default="float32", help="dtype the merge runs and saves in")
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help="dtype the merge runs and saves in")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the base model's own code")
     p.set_defaults(func=main)
 
 
 def merge(adapter: str, output: Path, base: Optional[str] = None, dtype: str = "float32", trust_remote_code: bool = False,
           overwrite: bool = False) -> Path:
-    from sparse_ft.models import DTYPES, adapter_base, load_adapter_model, load_tokenizer, read_meta
+    from sparse_ft.dtypes import torch_dtype
+    from sparse_ft.models import adapter_base, load_adapter_model, load_tokenizer, read_meta
     from sparse_ft.outputs import atomic_directory, check_apart, check_output_dir
 
     output = Path(output)
     base = base or adapter_base(adapter, read_meta(adapter))
     check_apart(output, "--output", {"--adapter": adapter, "the base model": base})
     check_output_dir(output, overwrite)
-    model = load_adapter_model(adapter, base, DTYPES[dtype], trust_remote_code).merge_and_unload()
+    model = load_adapter_model(adapter, base, torch_dtype(dtype), trust_remote_code).merge_and_unload()
     tokenizer_dir = adapter if (Path(adapter) / "tokenizer_config.json").exists() else base
     with atomic_directory(output, "sparse-ft merge", overwrite, "--output") as tmp:
         model.save_pretrained(str(tmp), safe_serialization=True)

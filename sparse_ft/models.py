@@ -21,9 +21,10 @@ from typing import Any, Optional
 import torch
 
 from sparse_ft import rope
+from sparse_ft.dtypes import NAMES, torch_dtype
 from sparse_ft.outputs import atomic_directory
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = {name: torch_dtype(name) for name in NAMES}  # recipe / CLI name -> torch dtype
 META_FILE = "sparse_ft.json"
 # the base's dimensions an adapter records: loading it onto another base fails by name, not by shape
 SHAPE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")

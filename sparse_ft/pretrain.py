@@ -1,11 +1,11 @@
 """``sparse-ft pretrain``: the tiny RoPE base model the built-in experiment extends.
 
 A small Llama (8 heads, so every pattern applies) trained from scratch at a short context
-on the stdlib + passkey corpus (``data/build_corpus.py``), on a CPU, with plain torch AdamW
-and a cosine schedule: nothing here is meant to be a general trainer (that is train.py),
-only a reproducible way to re-derive the committed ``assets/tiny-base`` checkpoint.
-It finishes by measuring what the experiment relies on: validation perplexity and passkey
-retrieval inside the window, both through ``sparse_ft.evaluation``.
+on the stdlib + passkey corpus (``data/build_corpus.py``), on a CPU. The training is the
+toolkit's one trainer (``sparse_ft.train.pretrainer``: the fine-tuning loop, optimizer and
+schedule, every weight trainable); this module maps its settings onto a recipe, then measures
+what the experiment relies on, validation perplexity and passkey retrieval inside the window,
+both through ``sparse_ft.evaluation``, and saves the checkpoint (``assets/tiny-base``).
 
 torch and numpy load inside the functions that use them, so ``sparse-ft --help`` builds this
 command's parser without them.
@@ -15,28 +15,31 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 from sparse_ft.config.paths import TINY_BASE_DIR as ASSET_DIR
-from sparse_ft.config.schema import CHOICES
+from sparse_ft.dtypes import NAMES as DTYPES
 
 if TYPE_CHECKING:
     import numpy as np
     import torch
 
+    from sparse_ft.config import Recipe, TrainSection
+
 HELP = "pretrain the tiny RoPE base model of the built-in experiment"
 CORPUS_DIR = Path("data/corpus/ctx256")
+STATS_FILE = "pretrain_stats.json"
 
 
 @dataclass
 class PretrainConfig:
-    """Defaults: the committed checkpoint (~10 minutes on 2 idle CPU cores)."""
+    """Defaults: the settings of the committed checkpoint (10 minutes on 2 idle CPU cores)."""
 
     hidden_size: int = 128
     intermediate_size: int = 384
@@ -48,7 +51,7 @@ class PretrainConfig:
     batch_size: int = 8
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
-    warmup_steps: int = 50
+    warmup_steps: int = 50  # steps up to the peak lr, the peak's own included
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     seed: int = 0
@@ -59,8 +62,8 @@ class PretrainConfig:
     passkey_depths: list[float] = field(default_factory=lambda: [0.0, 0.5, 1.0])
 
     def validate(self) -> None:
-        if self.save_dtype not in CHOICES["model.dtype"]:
-            raise ValueError(f"save_dtype={self.save_dtype!r} is unknown; allowed: {', '.join(CHOICES['model.dtype'])}")
+        if self.save_dtype not in DTYPES:
+            raise ValueError(f"save_dtype={self.save_dtype!r} is unknown; allowed: {', '.join(DTYPES)}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads={self.num_attention_heads} must be a multiple of "
                              f"num_key_value_heads={self.num_key_value_heads}")
@@ -69,80 +72,76 @@ class PretrainConfig:
                 raise ValueError(f"{key}={getattr(self, key)} must be >= 1")
 
 
-def model_config(cfg: PretrainConfig):
-    from sparse_ft.tiny import tiny_llama_config
+def train_section(cfg: PretrainConfig, output_dir: Path) -> TrainSection:
+    """``cfg``'s optimizer, schedule and budget as a recipe's ``train``: AdamW with decay on
+    the matrices only, cosine to ``min_lr_ratio``. ``cfg.warmup_steps`` counts the step that
+    reaches the peak; the recipe's ``train.warmup_steps`` counts the steps before it."""
+    from sparse_ft.config import TrainSection
 
-    return tiny_llama_config(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-                             num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
-                             num_key_value_heads=cfg.num_key_value_heads, max_position_embeddings=cfg.context)
+    return TrainSection(
+        output_dir=str(output_dir), max_steps=cfg.steps, lr=cfg.lr, weight_decay=cfg.weight_decay, weight_decay_on="matrices",
+        betas=[0.9, 0.95], warmup_steps=max(0, cfg.warmup_steps - 1), scheduler="cosine", min_lr_ratio=cfg.min_lr_ratio,
+        per_device_batch_size=cfg.batch_size, gradient_accumulation_steps=1, gradient_checkpointing=False,
+        max_grad_norm=cfg.grad_clip, seed=cfg.seed, save_steps=cfg.steps, save_total_limit=1, log_steps=cfg.log_every,
+        resume="never", report_to=["none"])
+
+
+def recipe_for(cfg: PretrainConfig, output_dir: Path, init_from: Optional[Path] = None, source: str = "") -> Recipe:
+    """The recipe the trainer runs for ``cfg``, checked like a loaded one: the tiny model with
+    ``cfg``'s dimensions fresh from ``cfg.seed`` (or the checkpoint ``init_from``), at
+    ``cfg.context``, with the model's own attention, in float32, without DeepSpeed. ``source``
+    names the corpus the blocks came from (the trainer is handed the blocks themselves)."""
+    from sparse_ft.config import AttentionSection, DataSection, ModelSection, Recipe
+    from sparse_ft.config.schema import validate
+
+    dims = {key: getattr(cfg, key) for key in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                                              "num_attention_heads", "num_key_value_heads")}
+    model = (ModelSection(name_or_path="tiny", tiny={**dims, "max_position_embeddings": cfg.context}, dtype="float32",
+                          target_length=cfg.context) if init_from is None else
+             ModelSection(name_or_path=str(init_from), dtype="float32", target_length=cfg.context))
+    recipe = Recipe(model=model, attention=AttentionSection(pattern="full"), data=DataSection(source=source),
+                    train=train_section(cfg, output_dir), deepspeed=None, name="pretrain")
+    validate(recipe)
+    return recipe
 
 
 def lr_at(step: int, cfg: PretrainConfig) -> float:
-    """Linear warmup, then cosine down to ``min_lr_ratio`` of the peak."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+    """The learning rate of ``step``: the trainer's schedule with ``cfg``'s settings."""
+    from sparse_ft.train.engine import schedule
+
+    return cfg.lr * schedule(train_section(cfg, Path(".")), cfg.steps)(step)
 
 
-def _optimizer(model: torch.nn.Module, cfg: PretrainConfig) -> torch.optim.Optimizer:
-    import torch
-
-    # no decay on norms (1-D weights), as usual for transformers
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    rest = [p for p in model.parameters() if p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}],
-                             lr=cfg.lr, betas=(0.9, 0.95))
+def loss_curve(history: list[dict], every: int) -> list[dict]:
+    """The mean loss of every ``every`` steps (the last run may be shorter), with the lr of its
+    last step: the trainer's per-step history as the stats record it."""
+    windows = (history[i : i + every] for i in range(0, len(history), every))
+    return [{"step": w[-1]["step"], "loss": sum(r["loss"] for r in w) / len(w), "lr": w[-1]["lr"]} for w in windows]
 
 
-def train(cfg: PretrainConfig, blocks: np.ndarray, progress: bool = True,
-          init_from: Optional[Path] = None) -> tuple[torch.nn.Module, dict]:
-    """Train on ``blocks`` (blocks, context) of token ids a fresh model, or continue from the
-    checkpoint ``init_from`` (a second phase, e.g. on a passkey-richer corpus); returns (model, stats)."""
-    import numpy as np
-    import torch
-    from tqdm import tqdm
-    from transformers import LlamaForCausalLM
+def train(cfg: PretrainConfig, blocks: np.ndarray, progress: bool = True, init_from: Optional[Path] = None,
+          source: str = "") -> tuple[torch.nn.Module, dict]:
+    """Train on ``blocks`` (blocks, context) of token ids, read from ``source``, a fresh model,
+    or continue from the checkpoint ``init_from`` (a second phase, e.g. on a passkey-richer
+    corpus); returns (model, stats). The trainer's run directory (resolved recipe, log, last
+    checkpoint) is temporary: what is kept is the model, which the caller saves."""
+    from sparse_ft.train.pretrainer import Pretrainer
 
     cfg.validate()
     if blocks.shape[1] != cfg.context:
         raise ValueError(f"the corpus has blocks of {blocks.shape[1]} tokens but context={cfg.context}")
-    torch.manual_seed(cfg.seed)
-    if init_from is None:
-        model = LlamaForCausalLM(model_config(cfg)).train()
-    else:
-        model = LlamaForCausalLM.from_pretrained(init_from, dtype=torch.float32).train()
-    opt = _optimizer(model, cfg)
-    order = torch.Generator().manual_seed(cfg.seed)
-    perm = torch.randperm(len(blocks), generator=order)
-    cursor, epochs = 0, 0
-    curve, window = [], []
     began = time.perf_counter()
-    bar = tqdm(range(cfg.steps), desc="pretrain", unit="step", disable=not progress)
-    for step in bar:
-        if cursor + cfg.batch_size > len(perm):
-            perm, cursor, epochs = torch.randperm(len(blocks), generator=order), 0, epochs + 1
-        index = np.sort(perm[cursor : cursor + cfg.batch_size].numpy())
-        cursor += cfg.batch_size
-        ids = torch.from_numpy(np.asarray(blocks[index], dtype=np.int64))
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, cfg)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        window.append(loss.item())
-        if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
-            curve.append({"step": step + 1, "loss": sum(window) / len(window), "lr": lr_at(step, cfg)})
-            bar.set_postfix(loss=f"{curve[-1]['loss']:.3f}")
-            window = []
+    with tempfile.TemporaryDirectory(prefix="sparse-ft-pretrain-") as run_dir:
+        trainer = Pretrainer(recipe_for(cfg, Path(run_dir), init_from, source), blocks, progress)
+        history = trainer.run()["history"]
     seconds = time.perf_counter() - began
-    stats = {"steps": cfg.steps, "tokens": cfg.steps * cfg.batch_size * cfg.context, "epochs_completed": epochs,
+    curve = loss_curve(history, cfg.log_every)
+    tokens = cfg.steps * cfg.batch_size * cfg.context
+    stats = {"steps": cfg.steps, "tokens": tokens, "epochs_completed": cfg.steps // trainer.order.per_epoch,
              "corpus_blocks": int(len(blocks)), "final_loss": curve[-1]["loss"], "train_seconds": seconds,
-             "tokens_per_second": cfg.steps * cfg.batch_size * cfg.context / seconds, "loss_curve": curve,
-             "parameters": sum(p.numel() for p in model.parameters())}
-    return model.eval(), stats
+             "tokens_per_second": tokens / seconds, "loss_curve": curve,
+             "parameters": sum(p.numel() for p in trainer.model.parameters())}
+    return trainer.model.eval(), stats
 
 
 def evaluate(model, tokenizer, val_tokens: np.ndarray, cfg: PretrainConfig) -> dict:
@@ -175,13 +174,13 @@ def machine() -> dict:
 
 def save(model, tokenizer, stats: dict, output: Path, save_dtype: str, overwrite: bool = False) -> Path:
     """Written to a temporary directory and renamed: an interrupted save leaves the old one."""
-    from sparse_ft.models import DTYPES
+    from sparse_ft.dtypes import torch_dtype
     from sparse_ft.outputs import atomic_directory
 
     with atomic_directory(Path(output), "sparse-ft pretrain", overwrite, "--output") as tmp:
-        model.to(DTYPES[save_dtype]).save_pretrained(tmp, safe_serialization=True)
+        model.to(torch_dtype(save_dtype)).save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        (tmp / "pretrain_stats.json").write_text(json.dumps(stats, indent=1))
+        (tmp / STATS_FILE).write_text(json.dumps(stats, indent=1))
     return output
 
 
@@ -206,10 +205,10 @@ def pretrain(cfg: PretrainConfig, corpus: Path = CORPUS_DIR, output: Path = ASSE
                      passkey_fraction=PASSKEY_FRACTION if passkey_fraction is None else passkey_fraction)
     previous = None
     if init_from is not None:
-        stats_file = Path(init_from) / "pretrain_stats.json"
+        stats_file = Path(init_from) / STATS_FILE
         previous = json.loads(stats_file.read_text()) if stats_file.is_file() else {"checkpoint": str(init_from)}
     began = time.perf_counter()
-    model, stats = train(cfg, load_blocks(corpus), progress, init_from)
+    model, stats = train(cfg, load_blocks(corpus), progress, init_from, str(corpus / "train.bin"))
     if previous is not None:
         stats["previous_phase"] = previous
     val = load_tokens(str(corpus / "val.bin"), tokenizer, model.config.vocab_size)
@@ -237,7 +236,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace --output when it holds an earlier sparse-ft output")
     for key, text in FLAGS.items():
         p.add_argument("--" + key.replace("_", "-"), type=type(getattr(defaults, key)), default=getattr(defaults, key), help=text)
-    p.add_argument("--save-dtype", default=defaults.save_dtype, choices=CHOICES["model.dtype"], help="dtype of the saved weights")
+    p.add_argument("--save-dtype", default=defaults.save_dtype, choices=DTYPES, help="dtype of the saved weights")
     p.add_argument("--init-from", type=Path, default=None, help="continue from this checkpoint, a second phase (default: a fresh model)")
     p.add_argument("--passkey-fraction", type=float, default=None,
                    help="share of passkey documents when the corpus is built here (default: data/build_corpus.py's)")

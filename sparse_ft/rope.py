@@ -10,17 +10,18 @@ extended again to 16k ends with factor 4, not 2.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # no torch at import: recipes and command-line parsers read METHODS
+    import torch
 
-METHODS = ("linear", "dynamic", "yarn")
+# The ways sparse-ft extends RoPE, one table: each is the transformers rope_type it writes
+# (what ``model.rope_method`` and ``sparse-ft experiment --rope-method`` accept, and what the
+# training-free methods pi / ntk / yarn write), with the name result tables give it.
+METHODS = {"linear": "PI", "dynamic": "dynamic NTK", "yarn": "YaRN"}
 # RoPE types whose frequencies change with the input length: keys rotated at an earlier call
 # (the KV cache) cannot be re-positioned exactly with other frequencies.
 _LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
-# The HF rope_type each method writes; extending a model keeps compositions exact, so a
-# method only composes with scaling of its own kind (or none).
-_ROPE_TYPE = {"linear": "linear", "dynamic": "dynamic", "yarn": "yarn"}
 
 
 def _uses_rope_parameters(config: Any) -> bool:
@@ -83,17 +84,16 @@ def scale_rope(config: Any, factor: float, method: str = "linear") -> dict[str, 
         raise ValueError(f"rope factor={factor} must be >= 1 (RoPE scaling only extends the context)")
     params = rope_parameters(config)
     current = params["rope_type"]
-    wanted = _ROPE_TYPE[method]
-    if current not in ("default", wanted):
+    if current not in ("default", method):  # compositions stay exact only within one kind
         raise ValueError(
             f"cannot compose rope method={method!r} with the model's existing rope_type={current!r}: "
-            f"{method!r} composes only with 'default' or {wanted!r} scaling"
+            f"{method!r} composes only with 'default' or {method!r} scaling"
         )
     if factor == 1.0 and current == "default":
         return params
     old_context = context_length(config)
     params["original_max_position_embeddings"] = original_context(config)
-    params["rope_type"] = wanted
+    params["rope_type"] = method
     params["factor"] = float(params["factor"]) * float(factor)
     _write(config, params)
     if method != "dynamic":

@@ -27,7 +27,8 @@ ROOT = Path(__file__).resolve().parent.parent
 LAYERS = [
     [("attn_patterns",)],
     [("sparse_ft.families",)],
-    [("sparse_ft.rope",), ("sparse_ft.tiny",), ("sparse_ft.quantization",), ("sparse_ft.outputs",), ("sparse_ft.attention",)],
+    [("sparse_ft.rope",), ("sparse_ft.tiny",), ("sparse_ft.quantization",), ("sparse_ft.outputs",), ("sparse_ft.dtypes",),
+     ("sparse_ft.attention",)],
     [("sparse_ft.methods",)],
     [("sparse_ft.models",), ("sparse_ft.data",)],
     [("sparse_ft.config",)],

@@ -8,6 +8,7 @@ import pytest
 from sparse_ft import config as cfg
 from sparse_ft.config import find_recipe, format_recipe, load_recipe, parse_overrides, save_resolved
 from sparse_ft.train.deepspeed import resolve_deepspeed_config
+from sparse_ft.train.model_setup import training_method
 
 
 def test_overrides_reach_any_dotted_key_with_yaml_types():
@@ -41,6 +42,10 @@ def test_params_merge_and_a_new_pattern_starts_from_its_defaults():
         (["model.rope_method=ntk"], r"model.rope_method='ntk' is invalid: allowed: linear, dynamic, yarn"),
         (["attention.backend=triton"], r"attention.backend='triton' is invalid: allowed: None, auto, sdpa, flash, flex"),
         (["train.scheduler=step"], r"train.scheduler='step' is invalid: allowed: constant, linear, cosine"),
+        (["train.weight_decay_on=norms"], r"train.weight_decay_on='norms' is invalid: allowed: all, matrices"),
+        (["train.min_lr_ratio=1.5"], r"train.min_lr_ratio=1.5 is invalid: must be in \[0, 1\]"),
+        (["train.min_lr_ratio=0.1", "train.scheduler=constant"],
+         r"train.min_lr_ratio=0.1 is invalid: only applies with train.scheduler linear or cosine"),
         (["train.per_device_batch_size=0"], r"train.per_device_batch_size=0 is invalid: must be >= 1"),
         (["train.max_steps=abc"], r"train.max_steps='abc' is invalid: expected int, got str"),
         (["train.max_steps=true"], r"train.max_steps=True is invalid: expected int, got bool"),
@@ -116,14 +121,36 @@ def test_inherit_deep_merges_and_resolved_round_trips(tmp_path):
     assert format_recipe(recipe) == path.read_text() and not list(path.parent.glob("*.tmp*"))
 
 
-def test_auto_backend_resolves_on_the_loading_machine(monkeypatch):
+def trained_through(name, overrides=()):
+    """The recipe as the trainer runs it: its method built, ``auto`` resolved on this machine."""
+    recipe = load_recipe(name, list(overrides))
+    training_method(recipe)
+    return recipe
+
+
+def test_auto_backend_resolves_on_the_training_machine(monkeypatch):
     import attn_patterns.kernels as kernels
 
     monkeypatch.setattr(kernels, "flash_available", lambda: True)
-    assert load_recipe("scca_flow_8k_a100").attention.backend == "flash"
-    assert load_recipe("tiny", ["attention.backend=auto"]).attention.backend == "sdpa"  # fp32: flash cannot run
+    assert load_recipe("scca_flow_8k_a100").attention.backend == "auto"  # the recipe stays data
+    assert trained_through("scca_flow_8k_a100").attention.backend == "flash"
+    assert trained_through("tiny", ["attention.backend=auto"]).attention.backend == "sdpa"  # fp32: flash cannot run
     monkeypatch.setattr(kernels, "flash_available", lambda: False)
-    assert load_recipe("scca_flow_8k_a100").attention.backend == "sdpa"
+    assert trained_through("scca_flow_8k_a100").attention.backend == "sdpa"
+
+
+def test_a_recipe_holds_data_only_and_checks_deepspeed_once(monkeypatch):
+    import dataclasses
+
+    from sparse_ft.config import schema
+
+    recipe = load_recipe("tiny")
+    assert [f.name for f in dataclasses.fields(recipe.attention)] == ["pattern", "params", "backend"]
+    assert vars(recipe.attention) == {"pattern": "scca_flow", "params": {"chunks": 4}, "backend": None}
+    calls = []
+    monkeypatch.setattr(schema, "_check_deepspeed", lambda *args: calls.append(args))
+    resolve_deepspeed_config(load_recipe("tiny"), 2, on_cuda=False)  # a run: the recipe loads, its config resolves
+    assert len(calls) == 1
 
 
 def test_deepspeed_config_is_filled_from_the_recipe(tmp_path):

@@ -48,6 +48,18 @@ def test_training_is_seeded_and_lowers_the_loss(corpus):
     assert curve[-1] < curve[0] - 0.5
 
 
+def test_pretraining_runs_through_the_trainer_with_its_schedule(corpus, monkeypatch):
+    """No loop or schedule of its own: the trainer's run, logging the lr of lr_at."""
+    from sparse_ft.train.trainer import Trainer
+
+    runs = []
+    monkeypatch.setattr(Trainer, "train", lambda self, run=Trainer.train: runs.append(self) or run(self))
+    cfg = PretrainConfig(**(MICRO | dict(steps=4, warmup_steps=2)))
+    _, stats = train(cfg, load_blocks(corpus), progress=False)
+    assert len(runs) == 1 and runs[0].recipe.train.weight_decay_on == "matrices"
+    assert [c["lr"] for c in stats["loss_curve"]] == [lr_at(c["step"] - 1, cfg) for c in stats["loss_curve"]]
+
+
 def test_schedule_warms_up_then_decays_to_the_floor():
     cfg = PretrainConfig(steps=100, warmup_steps=10, lr=1.0, min_lr_ratio=0.1)
     assert lr_at(0, cfg) == pytest.approx(0.1) and lr_at(9, cfg) == pytest.approx(1.0)

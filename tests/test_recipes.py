@@ -7,6 +7,7 @@ import pytest
 
 from sparse_ft.config import DS_CONFIG_DIR, REPO_ROOT, load_recipe, recipe_names
 from sparse_ft.train.deepspeed import resolve_deepspeed_config
+from sparse_ft.train.model_setup import training_method
 
 PAPER = ("scca_flow_8k", "scca_fixed_8k", "longmixed_8k", "s2_8k", "full_8k")
 # the pattern a recipe named after it trains: the full-attention baselines train causal
@@ -51,7 +52,9 @@ def test_long_variants_extend_further_on_a100(length):
     for pattern in ("scca_flow", "scca_fixed", "longmixed", "s2", "full"):
         r = load_recipe(f"{pattern}_{length // 1024}k_a100")
         assert r.model.target_length == length == r.data.min_tokens and r.model.dtype == "bfloat16"
-        assert r.attention.pattern == TRAINS.get(pattern, pattern) and r.attention.backend in ("sdpa", "flash")  # "auto", resolved here
+        assert r.attention.pattern == TRAINS.get(pattern, pattern) and r.attention.backend == "auto"
+        training_method(r)
+        assert r.attention.backend in ("sdpa", "flash")  # "auto", resolved by the trainer on this machine
         assert r.deepspeed.endswith("bf16")
     assert load_recipe("scca_flow_16k").deepspeed == "zero3_offload_fp16"  # V100 16k: offload
 
@@ -67,7 +70,7 @@ def test_ulysses_recipes_split_each_sequence_over_8_a100(name, length):
     assert config["zero_optimization"]["stage"] == 3 and config["sequence_parallel_size"] == 8
     assert config["train_batch_size"] == 8  # one data-parallel group of 8 ranks, 8 accumulation steps
     check_sequence_parallel(8, 8, heads=32, kv_heads=32)  # Llama-2-7B
-    r.attention.method.pattern.check_heads(32)
+    training_method(r).pattern.check_heads(32)
 
 
 def test_multinode_example_names_an_existing_hostfile():

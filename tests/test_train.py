@@ -176,3 +176,20 @@ def test_checkpoints_from_before_a_key_existed_resume_at_its_default(tmp_path):
     check_resume(old, {"train.seed": 42, "train.sequence_parallel_size": 1, "world_size": 1}, [], tmp_path)
     with pytest.raises(ValueError, match=r"train\.sequence_parallel_size: 1 then, 2 now"):
         check_resume(old, {"train.seed": 42, "train.sequence_parallel_size": 2, "world_size": 1}, [], tmp_path)
+
+
+def test_decay_ends_at_the_floor_and_matrices_alone_decay_on_request():
+    """The one schedule serves fine-tuning (decay to 0, as before the floor existed) and
+    pretraining (cosine to a fraction of the peak, no decay on norm weights)."""
+    from sparse_ft.tiny import tiny_llama
+    from sparse_ft.train.engine import param_groups, schedule
+
+    plain = load_recipe("tiny", ["deepspeed=null", "train.warmup_steps=2", "train.scheduler=cosine"]).train
+    floored = load_recipe("tiny", ["deepspeed=null", "train.warmup_steps=2", "train.scheduler=cosine", "train.min_lr_ratio=0.1"]).train
+    assert [schedule(plain, 12)(s) for s in (0, 1, 2)] == [1 / 3, 2 / 3, 1.0] and schedule(plain, 12)(11) < 0.03
+    assert schedule(floored, 12)(11) == pytest.approx(0.1 + 0.9 * schedule(plain, 12)(11)) and schedule(floored, 12)(99) == 0.1
+    params = list(tiny_llama().parameters())
+    assert param_groups(params, plain) is params
+    matrices, vectors = param_groups(params, load_recipe("tiny", ["deepspeed=null", "train.weight_decay_on=matrices"]).train)
+    assert all(p.dim() == 2 for p in matrices["params"]) and all(p.dim() == 1 for p in vectors["params"])
+    assert vectors["weight_decay"] == 0.0 and len(matrices["params"]) + len(vectors["params"]) == len(params)

@@ -11,8 +11,10 @@ from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from sparse_ft.dtypes import SHORT_NAMES
+
 HELP = "benchmarks against the dense baseline"
-DTYPES = ["fp32", "bf16", "fp16"]
+DTYPES = list(SHORT_NAMES)
 BACKENDS = ["sdpa", "flex", "flash"]
 QUICK = dict(lengths="2048,4096", heads="8", head_dims="64", repeats=2)
 

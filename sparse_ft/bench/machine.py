@@ -13,11 +13,10 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from sparse_ft.models import DTYPES as TORCH_DTYPES
+from sparse_ft.dtypes import SHORT_NAMES as DTYPE_NAMES  # the benchmarks' --dtype values -> recipe names
+from sparse_ft.dtypes import torch_dtype
 
-# The benchmarks' --dtype values, the names recipes and ``sparse-ft eval`` give them, and torch's.
-DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-DTYPES = {short: TORCH_DTYPES[name] for short, name in DTYPE_NAMES.items()}
+DTYPES = {short: torch_dtype(name) for short, name in DTYPE_NAMES.items()}
 
 
 def describe(device: torch.device) -> str:

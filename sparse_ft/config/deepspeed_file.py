@@ -1,7 +1,7 @@
 """The DeepSpeed JSON a recipe names (``deepspeed: zero3_bf16``): found, read, and the keys
 that belong to the recipe rather than to the file. The file owns ZeRO's settings; the recipe
 owns optimizer, schedule, batch sizes, clipping and precision. A file contradicting the recipe
-is refused when the recipe loads (``schema.check_deepspeed``); the trainer fills the file's
+is refused when the recipe loads (``sparse_ft.config.schema``); the trainer fills the file's
 "auto"s for its world size (``sparse_ft.train.deepspeed``)."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from sparse_ft.config.paths import DS_CONFIG_DIR
+from sparse_ft.dtypes import DTYPES
 
 # DeepSpeed keys the recipe owns: a config may leave them "auto" or repeat the recipe's value.
 RECIPE_OWNED = {
@@ -48,7 +49,7 @@ def is_auto(value: Any) -> bool:
 
 
 def precision(config: dict) -> str:
-    """The dtype the config trains in, as a recipe's ``model.dtype`` names it."""
-    if config.get("fp16", {}).get("enabled"):
-        return "float16"
-    return "bfloat16" if config.get("bf16", {}).get("enabled") else "float32"
+    """The dtype the config trains in, as a recipe's ``model.dtype`` names it: DeepSpeed's
+    sections carry the short names (``"bf16": {"enabled": true}``); none enabled is float32."""
+    enabled = [name for name, short in DTYPES.items() if config.get(short, {}).get("enabled")]
+    return enabled[0] if enabled else "float32"

@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import Any, NoReturn, Optional
 
 from sparse_ft.config.deepspeed_file import RECIPE_OWNED, is_auto, precision, read_deepspeed_config
+from sparse_ft.dtypes import NAMES as DTYPE_NAMES
+from sparse_ft.rope import METHODS as ROPE_METHODS
 
 
 @dataclass
@@ -28,8 +30,6 @@ class AttentionSection:
     pattern: str = "scca_flow"  # any trainable name of sparse_ft.methods.names()
     params: dict = field(default_factory=dict)  # the pattern's parameters, checked against its signature
     backend: Optional[str] = None  # null = sdpa; auto = flash-attn where installed (CUDA, fp16/bf16), else sdpa
-    # the method built from the keys above at validation, once (no recipe key: not a field)
-    method = None
 
 
 @dataclass
@@ -62,9 +62,11 @@ class TrainSection:
     num_epochs: int = 1
     lr: float = 2e-5
     weight_decay: float = 0.0
+    weight_decay_on: str = "all"  # all trainable parameters, or matrices only (norm weights and biases never decay)
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     warmup_steps: int = 20
     scheduler: str = "constant"
+    min_lr_ratio: float = 0.0  # where linear / cosine decay ends, as a fraction of lr
     per_device_batch_size: int = 1
     gradient_accumulation_steps: int = 8
     gradient_checkpointing: bool = True
@@ -101,10 +103,11 @@ class Recipe:
 
 
 CHOICES = {
-    "model.dtype": ("float32", "float16", "bfloat16"),
-    "model.rope_method": ("linear", "dynamic", "yarn"),
+    "model.dtype": DTYPE_NAMES,
+    "model.rope_method": tuple(ROPE_METHODS),
     "attention.backend": (None, "auto", "sdpa", "flash", "flex"),
     "train.scheduler": ("constant", "linear", "cosine"),
+    "train.weight_decay_on": ("all", "matrices"),
 }
 POSITIVE = {"model.target_length", "lora.r", "lora.alpha", "train.per_device_batch_size",
             "train.gradient_accumulation_steps", "train.sequence_parallel_size", "train.save_steps", "train.log_steps", "train.num_epochs"}
@@ -116,9 +119,10 @@ RESUME_KEYS = ("model.name_or_path", "model.dtype", "model.target_length", "mode
                "attention.pattern", "attention.params", "attention.backend",
                "lora.r", "lora.alpha", "lora.dropout", "lora.target_modules", "lora.extra_trainable",
                "data.source", "data.split", "data.text_column", "data.min_tokens", "data.seq_len", "data.streaming",
-               "data.max_documents", "train.seed", "train.lr", "train.betas", "train.weight_decay", "train.scheduler",
-               "train.warmup_steps", "train.max_steps", "train.num_epochs", "train.per_device_batch_size",
-               "train.gradient_accumulation_steps", "train.sequence_parallel_size", "train.max_grad_norm")
+               "data.max_documents", "train.seed", "train.lr", "train.betas", "train.weight_decay", "train.weight_decay_on",
+               "train.scheduler", "train.min_lr_ratio", "train.warmup_steps", "train.max_steps", "train.num_epochs",
+               "train.per_device_batch_size", "train.gradient_accumulation_steps", "train.sequence_parallel_size",
+               "train.max_grad_norm")
 
 
 class BadInput(ValueError):
@@ -139,8 +143,9 @@ def one_line(err: BaseException) -> str:
 
 
 def validate(recipe: Recipe) -> None:
-    """All of a typed recipe's checks; the first that fails raises. ``attention.backend: auto``
-    is resolved here, on the machine that loads the recipe."""
+    """All of a typed recipe's checks; the first that fails raises. The recipe stays data:
+    ``attention.backend: auto`` stays ``auto`` until the trainer resolves it on the machine
+    that trains."""
     flat = _flatten(recipe.to_dict())
     for key, allowed in CHOICES.items():
         if flat[key] not in allowed:
@@ -154,11 +159,14 @@ def validate(recipe: Recipe) -> None:
         fail("train.max_steps", train.max_steps, "must be >= 1, or -1 to run train.num_epochs")
     if train.lr <= 0:
         fail("train.lr", train.lr, "must be > 0")
+    if not 0 <= train.min_lr_ratio <= 1:
+        fail("train.min_lr_ratio", train.min_lr_ratio, "must be in [0, 1] (the decay's end, as a fraction of train.lr)")
+    if train.min_lr_ratio and train.scheduler == "constant":
+        fail("train.min_lr_ratio", train.min_lr_ratio, "only applies with train.scheduler linear or cosine, not constant")
     if train.max_grad_norm <= 0:
         fail("train.max_grad_norm", train.max_grad_norm, "must be > 0 (gradients are clipped to this norm)")
     if train.save_total_limit < 0:
         fail("train.save_total_limit", train.save_total_limit, "must be >= 1 (checkpoints kept), or 0 to keep every checkpoint")
-    _check_paths(train)
     if len(train.betas) != 2 or not all(0 <= b < 1 for b in train.betas):
         fail("train.betas", train.betas, "two numbers in [0, 1)")
     for reporter in train.report_to:
@@ -174,10 +182,14 @@ def validate(recipe: Recipe) -> None:
     _check_attention(recipe)
     _check_sequence_parallel(recipe)
     if recipe.deepspeed is not None:
-        check_deepspeed(recipe, read_deepspeed_config(recipe.deepspeed))
+        _check_deepspeed(recipe, read_deepspeed_config(recipe.deepspeed))
 
 
 def _check_output_dir(train: TrainSection) -> None:
+    """By the time the trainer reached the output directory it would have written into it.
+    (The checkpoint ``train.resume`` names is the trainer's to check: its files are.)"""
+    if Path(train.output_dir).exists() and not Path(train.output_dir).is_dir():
+        fail("train.output_dir", train.output_dir, "a directory (to be created, or an earlier run's); this is a file")
     if train.overwrite_output_dir and train.resume != "never":
         fail("train.overwrite_output_dir", True, f"only applies with train.resume=never (a fresh run), not {train.resume!r}")
     for key in train.resume_allow_changes:
@@ -192,18 +204,6 @@ def _check_data(recipe: Recipe) -> None:
     if data.seq_len is not None and not 2 <= data.seq_len <= recipe.model.target_length:
         fail("data.seq_len", data.seq_len,
              f"must be in [2, model.target_length={recipe.model.target_length}], or null (= model.target_length)")
-
-
-def _check_paths(train: TrainSection) -> None:
-    """The output directory and the checkpoint to resume from: by the time the trainer reached
-    them it would have written into the output directory."""
-    if Path(train.output_dir).exists() and not Path(train.output_dir).is_dir():
-        fail("train.output_dir", train.output_dir, "a directory (to be created, or an earlier run's); this is a file")
-    if train.resume not in ("auto", "never"):
-        checkpoint = Path(train.resume)
-        if not (checkpoint / "meta.json").is_file():
-            found = "it has no meta.json (not a checkpoint, or one whose save did not finish)" if checkpoint.is_dir() else "no such directory"
-            fail("train.resume", train.resume, f"allowed: auto, never, or a checkpoint-N directory with meta.json; {found}")
 
 
 def _check_tiny(model: ModelSection) -> None:
@@ -222,14 +222,17 @@ def _check_tiny(model: ModelSection) -> None:
 
 
 def _check_attention(recipe: Recipe) -> None:
-    """Build the method the model trains through, once, so that every pattern, parameter and
-    backend error surfaces here. ``backend: auto`` is resolved on the machine that loads the
-    recipe (the one that trains), so the saved recipe names what ran."""
+    """The pattern, its parameters and the backend, checked by the code that will build the
+    method (a constructor is what knows its allowed values, e.g. ``chunks >= 1``); the method
+    built for the check is dropped, since the trainer builds the one it trains through.
+    ``auto`` is checked as the default backend every method takes: which backend it becomes is
+    the training machine's to say."""
     from sparse_ft import methods
 
     att = recipe.attention
+    given = None if att.backend == "auto" else att.backend
     try:
-        att.method, att.backend = methods.for_training(att.pattern, att.params, att.backend, recipe.model.dtype)
+        methods.for_training(att.pattern, att.params, given, recipe.model.dtype)
     except (TypeError, ValueError) as err:
         raise BadInput(f"recipe key attention.pattern / attention.params: {err}") from None
     if att.backend == "flash" and recipe.model.dtype == "float32":
@@ -263,7 +266,7 @@ def check_sequence_parallel(sp: int, world_size: int, heads: int, kv_heads: int)
         fail("train.sequence_parallel_size", sp, f"must divide the number of processes, {world_size} (data parallelism runs across world / sp groups)")
 
 
-def check_deepspeed(recipe: Recipe, config: dict) -> None:
+def _check_deepspeed(recipe: Recipe, config: dict) -> None:
     """Refuse a DeepSpeed config that would train differently from the recipe. (LongLoRA's
     ZeRO-3 config carried its own optimizer and schedule, which the HF Trainer silently used
     instead of the command line's.)"""

@@ -29,13 +29,12 @@ BATCH = 64
 TOKEN_BYTES = np.dtype(np.int32).itemsize
 
 
-class PackedDataset(torch.utils.data.Dataset):
-    """Fixed-length samples read from the cache by memory map."""
+class TokenBlocks(torch.utils.data.Dataset):
+    """Training samples from rows of token ids (samples, seq_len), e.g. a pretraining corpus's
+    blocks (``sparse_ft.data.corpus.load_blocks``)."""
 
-    def __init__(self, path: Path, seq_len: int) -> None:
-        tokens = np.memmap(path, dtype=np.int32, mode="r")
-        self.samples = tokens[: len(tokens) // seq_len * seq_len].reshape(-1, seq_len)
-        self.path, self.seq_len = path, seq_len
+    def __init__(self, samples: np.ndarray) -> None:
+        self.samples = samples
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -43,6 +42,15 @@ class PackedDataset(torch.utils.data.Dataset):
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         ids = torch.from_numpy(np.array(self.samples[index], dtype=np.int64))
         return {"input_ids": ids, "labels": ids}
+
+
+class PackedDataset(TokenBlocks):
+    """Fixed-length samples read from the cache by memory map."""
+
+    def __init__(self, path: Path, seq_len: int) -> None:
+        tokens = np.memmap(path, dtype=np.int32, mode="r")
+        super().__init__(tokens[: len(tokens) // seq_len * seq_len].reshape(-1, seq_len))
+        self.path, self.seq_len = path, seq_len
 
 
 def _fingerprint(source: str) -> list:

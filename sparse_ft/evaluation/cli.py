@@ -11,10 +11,9 @@ import platform
 from pathlib import Path
 
 from sparse_ft.config.keyvalue import parse_assignments
-from sparse_ft.config.schema import CHOICES
+from sparse_ft.dtypes import NAMES as DTYPES
 
 HELP = "perplexity and passkey retrieval of a model, an adapter or a training-free method"
-DTYPES = CHOICES["model.dtype"]  # the dtypes a model loads in, named as recipes name them
 
 
 def _ints(text: str, flag: str) -> list[int]:

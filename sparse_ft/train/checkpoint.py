@@ -21,13 +21,18 @@ from typing import Optional
 import torch
 from safetensors.torch import load_file, save
 
+from sparse_ft.config.schema import fail
 from sparse_ft.data.token_files import sha256_file
 from sparse_ft.outputs import fsync_dir, write_synced
 from sparse_ft.train.engine import Engine
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
+# a checkpoint's files, each named here only
+PREFIX = "checkpoint-"  # + the step: the directory
 META = "meta.json"
-_NAME = re.compile(r"^checkpoint-(\d+)$")
+TRAINABLE = "trainable.safetensors"
+OPTIMIZER = "optimizer.safetensors"
+_NAME = re.compile(rf"^{PREFIX}(\d+)$")
 
 
 class CorruptCheckpoint(ValueError):
@@ -52,6 +57,21 @@ def _json_sha256(record: dict) -> str:
 
 def rng_file(rank: int) -> str:
     return f"rng-rank{rank}.safetensors"
+
+
+def directory(output_dir: Path, step: int) -> Path:
+    return output_dir / f"{PREFIX}{step}"
+
+
+def named_checkpoint(resume: str) -> Path:
+    """The checkpoint ``train.resume`` names, once it is a directory whose save finished (it
+    has ``META``); otherwise the recipe error naming the key, the value and what is allowed."""
+    path = Path(resume)
+    if not (path / META).is_file():
+        found = (f"it has no {META}: not a complete checkpoint (its save did not finish, or it is no checkpoint)"
+                 if path.is_dir() else "no such directory")
+        fail("train.resume", resume, f"allowed: auto, never, or a {PREFIX}N directory with {META}; {found}")
+    return path
 
 
 def seal(directory: Path, meta: dict, files: list[str]) -> None:
@@ -87,13 +107,13 @@ def verify(path: Path) -> dict:
 def save_checkpoint(engine: Engine, output_dir: Path, step: int, meta: dict, keep: int) -> Optional[Path]:
     """Collective: every rank calls it. Returns the final directory on rank 0; raises
     :class:`CheckpointWriteError` when a file cannot be written."""
-    final = output_dir / f"checkpoint-{step}"
-    tmp = output_dir / f"checkpoint-{step}.tmp"
+    final = directory(output_dir, step)
+    tmp = final.with_name(final.name + ".tmp")
     try:
         _write_parts(engine, tmp)
         if engine.rank != 0:
             return None
-        files = ["trainable.safetensors", "optimizer.safetensors", *map(rng_file, range(engine.world_size))]
+        files = [TRAINABLE, OPTIMIZER, *map(rng_file, range(engine.world_size))]
         seal(tmp, {**meta, "step": step, "optimizer_steps": engine.get_steps(), "world_size": engine.world_size,
                    "amp": engine.amp_state()}, files)
         fsync_dir(tmp)
@@ -104,12 +124,12 @@ def save_checkpoint(engine: Engine, output_dir: Path, step: int, meta: dict, kee
         if engine.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # frees what the failed write took
         steps = complete_checkpoints(output_dir)
-        kept = f"the earlier checkpoints are intact (latest: checkpoint-{steps[-1]})" if steps else "no earlier checkpoint"
+        kept = f"the earlier checkpoints are intact (latest: {directory(output_dir, steps[-1]).name})" if steps else "no earlier checkpoint"
         raise CheckpointWriteError(f"could not write {final}: {err.strerror or err}"
                                    f"{f' ({err.filename})' if err.filename else ''}; {kept}: "
                                    "free the space and relaunch to resume") from err
     for old in sorted(complete_checkpoints(output_dir))[:-keep] if keep > 0 else []:
-        shutil.rmtree(output_dir / f"checkpoint-{old}", ignore_errors=True)
+        shutil.rmtree(directory(output_dir, old), ignore_errors=True)
     return final
 
 
@@ -131,14 +151,14 @@ def _write_parts(engine: Engine, tmp: Path) -> None:
         rng["cuda"] = torch.cuda.get_rng_state()
     _save(rng, tmp / rng_file(engine.rank))
     if engine.rank == 0:
-        _save(params, tmp / "trainable.safetensors")
-        _save(states, tmp / "optimizer.safetensors")
+        _save(params, tmp / TRAINABLE)
+        _save(states, tmp / OPTIMIZER)
     engine.barrier()
 
 
 def checkpoint_dirs(output_dir: Path) -> list[Path]:
     """Every directory a run's checkpointing made (complete, half-written or ``.tmp``), by step."""
-    found = [p for p in output_dir.glob("checkpoint-*") if p.is_dir()] if output_dir.is_dir() else []
+    found = [p for p in output_dir.glob(f"{PREFIX}*") if p.is_dir()] if output_dir.is_dir() else []
     return sorted(found, key=lambda p: (int(re.sub(r"\D", "", p.name) or 0), p.name))
 
 
@@ -158,14 +178,12 @@ def find_resume(output_dir: Path, resume: str) -> Optional[Path]:
     if resume == "never":
         return None
     if resume != "auto":
-        path = Path(resume)
-        if not (path / META).is_file():
-            raise ValueError(f"train.resume={resume!r}: not a complete checkpoint directory (no meta.json); use auto, never or a checkpoint-N path")
+        path = named_checkpoint(resume)
         verify(path)
         return path
     problems = []
     for step in reversed(complete_checkpoints(output_dir)):
-        path = output_dir / f"checkpoint-{step}"
+        path = directory(output_dir, step)
         try:
             verify(path)
         except CorruptCheckpoint as err:
@@ -190,8 +208,8 @@ def load_checkpoint(engine: Engine, path: Path) -> dict:
     """Collective. Restores trainable weights, optimizer moments, step counts and this rank's
     RNG; returns the saved metadata."""
     meta = read_meta(path)
-    params = load_file(str(path / "trainable.safetensors"))
-    states = load_file(str(path / "optimizer.safetensors"))
+    params = load_file(str(path / TRAINABLE))
+    states = load_file(str(path / OPTIMIZER))
     engine.materialize_state()
     for name, p in trainable(engine):
         if name not in params:

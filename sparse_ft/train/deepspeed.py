@@ -13,7 +13,6 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from sparse_ft.config import Recipe
 from sparse_ft.config.deepspeed_file import RECIPE_OWNED, is_auto, read_deepspeed_config
-from sparse_ft.config.schema import check_deepspeed
 from sparse_ft.train.engine import Engine
 
 
@@ -21,13 +20,15 @@ def resolve_deepspeed_config(recipe: Recipe, world_size: int, on_cuda: Optional[
     """The recipe's DeepSpeed config with every "auto" filled from the recipe, so the optimizer
     (AdamW with the recipe's lr), batch sizes and clipping are the recipe's. The schedule is
     built by the trainer from ``train.scheduler``, never by the config. ``on_cuda`` (default:
-    whether CUDA is available) picks DeepSpeed's fused Adam or torch's AdamW."""
+    whether CUDA is available) picks DeepSpeed's fused Adam or torch's AdamW.
+
+    The file was checked against the recipe when the recipe loaded (``sparse_ft.config.schema``,
+    once per run); what only the world size decides, the global batch, is checked here."""
     if recipe.deepspeed is None:
         raise ValueError("recipe key deepspeed=None: this recipe trains without DeepSpeed")
     if on_cuda is None:
         on_cuda = torch.cuda.is_available()
     config = read_deepspeed_config(recipe.deepspeed)
-    check_deepspeed(recipe, config)
     t = recipe.train
     data_parallel = world_size // t.sequence_parallel_size  # an SP group's ranks share each batch
     global_batch = t.per_device_batch_size * t.gradient_accumulation_steps * data_parallel
@@ -72,11 +73,11 @@ class DeepSpeedEngine(Engine):
     def autocast(self):
         return nullcontext()  # the engine casts the model to the config's precision
 
-    def _build_optimizer(self, trainable, recipe, factor):
+    def _build_optimizer(self, groups, recipe, factor):
         import deepspeed
 
         self.engine, optimizer, _, scheduler = deepspeed.initialize(
-            model=self.model, model_parameters=trainable, config=self.ds_config,
+            model=self.model, model_parameters=groups, config=self.ds_config,
             lr_scheduler=lambda opt: LambdaLR(opt, factor), mpu=self.mpu,
         )
         return optimizer, scheduler

@@ -19,13 +19,14 @@ from typing import Callable, ContextManager, Iterator, Optional
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from sparse_ft.config import Recipe
+from sparse_ft.config import Recipe, TrainSection
 from sparse_ft.models import DTYPES
 
 
-def schedule(recipe: Recipe, total_steps: int) -> Callable[[int], float]:
-    """lr multiplier per optimizer step: linear warmup, then constant / linear / cosine decay."""
-    warmup, kind = recipe.train.warmup_steps, recipe.train.scheduler
+def schedule(train: TrainSection, total_steps: int) -> Callable[[int], float]:
+    """lr multiplier per optimizer step: linear warmup, then constant, or linear / cosine decay
+    to ``train.min_lr_ratio``. The one schedule of the toolkit: fine-tuning and pretraining."""
+    warmup, kind, floor = train.warmup_steps, train.scheduler, train.min_lr_ratio
 
     def factor(step: int) -> float:
         if step < warmup:
@@ -33,9 +34,22 @@ def schedule(recipe: Recipe, total_steps: int) -> Callable[[int], float]:
         if kind == "constant":
             return 1.0
         progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
-        return 1.0 - progress if kind == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+        decay = 1.0 - progress if kind == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+        return floor + (1.0 - floor) * decay  # exactly ``decay`` when floor is 0
 
     return factor
+
+
+def param_groups(trainable: list[torch.nn.Parameter], train: TrainSection) -> list:
+    """AdamW's parameters: all in one group, or with ``train.weight_decay_on: matrices`` the
+    vectors (norm weights, biases) in a second group that never decays, as pretraining has
+    it. Shapes are read as DeepSpeed's ZeRO-3 records them before it partitions a tensor."""
+    if train.weight_decay_on == "all":
+        return trainable
+    is_matrix = [len(getattr(p, "ds_shape", p.shape)) >= 2 for p in trainable]
+    matrices = [p for p, matrix in zip(trainable, is_matrix) if matrix]
+    vectors = [p for p, matrix in zip(trainable, is_matrix) if not matrix]
+    return [group for group in ({"params": matrices}, {"params": vectors, "weight_decay": 0.0}) if group["params"]]
 
 
 class Engine:
@@ -52,7 +66,8 @@ class Engine:
         self.dtype = DTYPES[recipe.model.dtype]
         trainable = [p for p in model.parameters() if p.requires_grad]
         self.scaler = self._mixed_precision(trainable)
-        self.optimizer, self.scheduler = self._build_optimizer(trainable, recipe, schedule(recipe, total_steps))
+        groups = param_groups(trainable, recipe.train)
+        self.optimizer, self.scheduler = self._build_optimizer(groups, recipe, schedule(recipe.train, total_steps))
 
     def _mixed_precision(self, trainable: list[torch.nn.Parameter]) -> Optional[torch.amp.GradScaler]:
         """fp32 masters for a half-precision model; fp16's loss scaler (gradients below its
@@ -63,10 +78,11 @@ class Engine:
             p.data = p.data.float()
         return torch.amp.GradScaler(trainable[0].device.type) if self.dtype == torch.float16 else None
 
-    def _build_optimizer(self, trainable: list[torch.nn.Parameter], recipe: Recipe,
+    def _build_optimizer(self, groups: list, recipe: Recipe,
                          factor: Callable[[int], float]) -> tuple[torch.optim.Optimizer, LambdaLR]:
-        """The optimizer over ``trainable`` and the schedule that scales its lr by ``factor``."""
-        optimizer = torch.optim.AdamW(trainable, lr=recipe.train.lr, weight_decay=recipe.train.weight_decay,
+        """The optimizer over ``groups`` (:func:`param_groups`) and the schedule that scales its
+        lr by ``factor``."""
+        optimizer = torch.optim.AdamW(groups, lr=recipe.train.lr, weight_decay=recipe.train.weight_decay,
                                       betas=tuple(recipe.train.betas), eps=1e-8)
         return optimizer, LambdaLR(optimizer, factor)
 

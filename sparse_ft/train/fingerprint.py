@@ -15,7 +15,7 @@ from sparse_ft.config.schema import RESUME_KEYS
 
 WORLD = "world_size"  # not a recipe key: the data order depends on it, so no recipe may allow it
 # Keys added after checkpoints were already being written: a checkpoint without one ran at this value.
-ADDED = {"train.sequence_parallel_size": 1}
+ADDED = {"train.sequence_parallel_size": 1, "train.weight_decay_on": "all", "train.min_lr_ratio": 0.0}
 
 
 def fingerprint(recipe: Recipe, world_size: int) -> dict:

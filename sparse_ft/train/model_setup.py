@@ -1,18 +1,29 @@
 """The model a recipe trains: base weights, position interpolation composed with the model's
-own RoPE scaling, LoRA+ adapters, and the training attention pattern."""
+own RoPE scaling, LoRA+ adapters, and the attention method it trains through, built here once
+per run from the recipe's names (the recipe itself stays data)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Optional
 
-from sparse_ft import rope
+from sparse_ft import methods, rope
 from sparse_ft.attention import use_attention
 from sparse_ft.config import LoraSection, Recipe
 from sparse_ft.methods import Method
 from sparse_ft.models import DTYPES
 
 _KEEP_ALIVE: list = []  # transformers reads the ZeRO-3 config through a weak global reference
+
+
+def training_method(recipe: Recipe) -> Method:
+    """The method the run trains through. ``attention.backend: auto`` is resolved here, on the
+    machine that trains, and written into ``recipe``, so that the saved recipe and the
+    checkpoints' fingerprint name the backend that ran. The recipe's names were checked when
+    it loaded."""
+    att = recipe.attention
+    method, att.backend = methods.for_training(att.pattern, att.params, att.backend, recipe.model.dtype)
+    return method
 
 
 def base_model_path(recipe: Recipe) -> str:
@@ -30,8 +41,14 @@ def extended_config(path: str, target_length: int, method: str, trust_remote_cod
     return config
 
 
-def build_model(recipe: Recipe, path: str, ds_config: Optional[dict] = None):
-    """Base model with position interpolation, LoRA+ and the training pattern."""
+def build_model(recipe: Recipe, path: str, method: Method, ds_config: Optional[dict] = None):
+    """Base model with position interpolation, LoRA+ and the training ``method``."""
+    return add_adapters(load_base(recipe, path, ds_config), recipe.lora, method, recipe.train.gradient_checkpointing)
+
+
+def load_base(recipe: Recipe, path: str, ds_config: Optional[dict] = None):
+    """The base model at ``path`` in the recipe's dtype, extended to ``model.target_length``;
+    under ZeRO-3 its weights load partitioned."""
     from transformers import AutoModelForCausalLM
 
     config = extended_config(path, recipe.model.target_length, recipe.model.rope_method, recipe.model.trust_remote_code)
@@ -39,20 +56,26 @@ def build_model(recipe: Recipe, path: str, ds_config: Optional[dict] = None):
         from transformers.integrations import HfDeepSpeedConfig
 
         _KEEP_ALIVE.append(HfDeepSpeedConfig(ds_config))  # weights load partitioned (zero.Init)
-    model = AutoModelForCausalLM.from_pretrained(
+    return AutoModelForCausalLM.from_pretrained(
         path, config=config, dtype=DTYPES[recipe.model.dtype], trust_remote_code=recipe.model.trust_remote_code
     )
-    return add_adapters(model, recipe.lora, recipe.attention.method, recipe.train.gradient_checkpointing)
 
 
-def add_adapters(model, lora: LoraSection, method: Method, gradient_checkpointing: bool):
-    """The training pattern, gradient checkpointing and LoRA+ on a loaded base model: what a
-    recipe trains, in one place, so that ``sparse-ft bench train`` measures the same step."""
-    from peft import LoraConfig, get_peft_model
-
+def train_through(model, method: Method, gradient_checkpointing: bool):
+    """``model`` attending through the training ``method``, with gradient checkpointing when
+    asked: what every trained model gets, its adapters or not."""
     use_attention(model, method)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def add_adapters(model, lora: LoraSection, method: Method, gradient_checkpointing: bool):
+    """The training method, gradient checkpointing and LoRA+ on a loaded base model: what a
+    recipe trains, in one place, so that ``sparse-ft bench train`` measures the same step."""
+    from peft import LoraConfig, get_peft_model
+
+    train_through(model, method, gradient_checkpointing)
     config = LoraConfig(
         r=lora.r,
         lora_alpha=lora.alpha,

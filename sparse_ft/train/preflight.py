@@ -15,22 +15,35 @@ from attn_patterns import kernels
 from sparse_ft.config import Recipe
 from sparse_ft.config.schema import BadInput, check_sequence_parallel, fail, one_line
 from sparse_ft.data.packing import check_source
+from sparse_ft.methods import Method
 from sparse_ft.models import load_tokenizer
+from sparse_ft.train import checkpoint
 from sparse_ft.tiny import tiny_llama_config, tiny_tokenizer
 
 
-def preflight(recipe: Recipe) -> None:
-    """Raise :class:`BadInput` for the first input this run cannot train with. Loads no weights
-    and writes nothing, so every rank runs it before the trainer starts; the data is read by the
-    first rank only (a launcher stops the others when one fails)."""
+def preflight(recipe: Recipe, method: Method) -> None:
+    """Raise :class:`BadInput` for the first input this run cannot train with through
+    ``method``. Loads no weights and writes nothing, so every rank runs it before the trainer
+    starts; the data is read by the first rank only (a launcher stops the others when one
+    fails)."""
+    config = check_model(recipe, method)
+    _check_lora(recipe, _skeleton(recipe, config))
+    if int(os.environ.get("RANK", "0")) == 0:  # one read of the data per run, not one per rank
+        _check_data(recipe)
+
+
+def check_model(recipe: Recipe, method: Method):
+    """The checks of :func:`preflight` that any training of the recipe's model needs, adapters
+    and data aside: the checkpoint to resume, the backend, the model's config and heads.
+    Returns the model's config."""
+    if recipe.train.resume not in ("auto", "never"):
+        checkpoint.named_checkpoint(recipe.train.resume)
     if recipe.attention.backend == "flash" and not kernels.flash_available():
         fail("attention.backend", "flash", "flash-attn cannot run here (it needs the flash-attn package and a CUDA device); "
              "use sdpa, or auto (flash where it can run)")
     config = _model_config(recipe)
-    _check_heads(recipe, config)
-    _check_lora(recipe, _skeleton(recipe, config))
-    if int(os.environ.get("RANK", "0")) == 0:  # one read of the data per run, not one per rank
-        _check_data(recipe)
+    _check_heads(recipe, config, method)
+    return config
 
 
 def _model_key(recipe: Recipe) -> tuple[str, Any]:
@@ -70,7 +83,7 @@ def _model_config(recipe: Recipe):
         fail("model.name_or_path", name, f"{where}its config cannot be read: {one_line(err)}{offline}")
 
 
-def _check_heads(recipe: Recipe, config) -> None:
+def _check_heads(recipe: Recipe, config, method: Method) -> None:
     """Grouped-query attention, the pattern and sequence parallelism all divide the heads;
     unchecked, any fails in the first forward."""
     heads = getattr(config, "num_attention_heads", None)
@@ -81,7 +94,7 @@ def _check_heads(recipe: Recipe, config) -> None:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         check_sequence_parallel(recipe.train.sequence_parallel_size, world, heads, kv_heads)
     try:
-        recipe.attention.method.check_model(config)
+        method.check_model(config)
     except ValueError as err:
         fail("attention.params", recipe.attention.params, str(err))
 

@@ -1,7 +1,8 @@
 """The training recipe as one explicit class (torchtune style): ``Trainer.run`` calls its
-stages in order (processes and the output directory, data, model, engine, resume, the loop, the
-adapter), each a short method that a variant can override. Deterministic data order,
-accumulation, logging, checkpoints and a bit-identical resume."""
+stages in order (the attention method, the input checks, processes and the output directory,
+data, model, engine, resume, the loop, the adapter), each a short method that a variant can
+override (``sparse_ft.train.pretrainer``). Deterministic data order, accumulation, logging,
+checkpoints and a bit-identical resume."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from sparse_ft.train.distributed import init_distributed
 from sparse_ft.train.engine import Engine
 from sparse_ft.train.fingerprint import check_resume, fingerprint
 from sparse_ft.train.metrics import MetricLog, peak_memory_mib
-from sparse_ft.train.model_setup import base_model_path, build_model
+from sparse_ft.train.model_setup import base_model_path, build_model, training_method
 from sparse_ft.train.preflight import preflight
 
 
@@ -93,9 +94,11 @@ def total_steps(recipe: Recipe, order: DataOrder) -> int:
 class Trainer:
     """One run of ``recipe``: every rank constructs one and calls :meth:`run`."""
 
-    def __init__(self, recipe: Recipe) -> None:
+    def __init__(self, recipe: Recipe, progress: bool = True) -> None:
         self.recipe = recipe
+        self.progress = progress  # rank 0's progress bar
         self.out = Path(recipe.train.output_dir)
+        self.base = base_model_path(recipe)  # where the tiny model is written first, when the recipe names it
         self.use_deepspeed = recipe.deepspeed is not None
         self.lock = RunLock(self.out)
         # False until the loop starts: an error before it is the recipe's or the directory's (train.py prints one line)
@@ -105,7 +108,8 @@ class Trainer:
         """Train to the end (resuming where a checkpoint allows) and save the adapter; returns
         the run's summary. Every bad input fails in preflight, in one line, before anything
         loads or is written; the output directory's lock is released however the rest ends."""
-        preflight(self.recipe)
+        self.setup_method()
+        self.preflight()
         try:
             self.setup_distributed()
             self.setup_data()
@@ -118,6 +122,15 @@ class Trainer:
         finally:
             self.lock.release()
 
+    def setup_method(self) -> None:
+        """The attention method the model trains through, built once for the whole run, with
+        ``attention.backend: auto`` resolved on this machine (before the recipe is saved)."""
+        self.method = training_method(self.recipe)
+
+    def preflight(self) -> None:
+        """Every input the run reads, checked before anything loads or is written."""
+        preflight(self.recipe, self.method)
+
     def setup_distributed(self) -> None:
         """Join the process group; rank 0 takes the output directory while the others wait for
         its verdict and the checkpoint to resume."""
@@ -126,7 +139,7 @@ class Trainer:
         self.fingerprint = fingerprint(self.recipe, self.world)
         resume = self.recipe.train.resume
         step = self._decided_by_rank0(self._take_output_dir)
-        self.resume_from = None if step < 0 else Path(resume) if resume != "auto" else self.out / f"checkpoint-{step}"
+        self.resume_from = None if step < 0 else Path(resume) if resume != "auto" else checkpoint.directory(self.out, step)
 
     def _take_output_dir(self) -> int:
         """Rank 0: lock the directory, keep a fresh run from an earlier run's checkpoints, pick
@@ -143,7 +156,7 @@ class Trainer:
         save_resolved(self.recipe, self.out)
         print(f"recipe {self.recipe.name}:\n{format_recipe(self.recipe)}", flush=True)
         if self.recipe.model.name_or_path == "tiny":
-            materialize_tiny(self.out / "base-model", t.seed, **self.recipe.model.tiny)
+            materialize_tiny(Path(self.base), t.seed, **self.recipe.model.tiny)
         return meta["step"] if meta is not None else -1
 
     def _decided_by_rank0(self, decide: Callable[[], int]) -> int:
@@ -166,16 +179,20 @@ class Trainer:
         """The packed training set (rank 0 tokenizes, the others then read its cache), its
         per-rank order, and the run's length in optimizer steps."""
         recipe = self.recipe
-        self.base = base_model_path(recipe)
         self.tokenizer = load_tokenizer(self.base, recipe.model.trust_remote_code)
-        build = lambda: build_train_dataset(recipe.data, self.tokenizer, recipe.seq_len, recipe.model.trust_remote_code)  # noqa: E731
         if self.rank == 0:
-            self.dataset = build()
+            self.dataset = self.load_dataset()
         self.barrier()
         if self.rank != 0:
-            self.dataset = build()
+            self.dataset = self.load_dataset()
         self.order = DataOrder(len(self.dataset), recipe.train.per_device_batch_size, self.world, self.rank, recipe.train.seed)
         self.steps = total_steps(recipe, self.order)
+
+    def load_dataset(self) -> torch.utils.data.Dataset:
+        """The recipe's documents, tokenised and packed into ``seq_len`` samples through a cache
+        (rank 0 writes it, the others then read it)."""
+        r = self.recipe
+        return build_train_dataset(r.data, self.tokenizer, r.seq_len, r.model.trust_remote_code)
 
     def setup_model(self) -> None:
         """Base model, position interpolation, LoRA+ and the training pattern; under ZeRO-3
@@ -183,9 +200,13 @@ class Trainer:
         torch.manual_seed(self.recipe.train.seed)  # identical LoRA initialisation on every rank
         on_cuda = torch.cuda.is_available()
         self.ds_config = resolve_deepspeed_config(self.recipe, self.world, on_cuda) if self.use_deepspeed else None
-        self.model = build_model(self.recipe, self.base, self.ds_config)
+        self.model = self.build_model()
         self.mpu = sequence_parallel.register(self.model, self.recipe) if self.recipe.train.sequence_parallel_size > 1 else None
         self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if on_cuda else torch.device("cpu")
+
+    def build_model(self) -> torch.nn.Module:
+        """The base with position interpolation, LoRA+ and the training method."""
+        return build_model(self.recipe, self.base, self.method, self.ds_config)
 
     def setup_engine(self) -> None:
         """The optimizer and schedule, through DeepSpeed when the recipe names a config."""
@@ -222,7 +243,8 @@ class Trainer:
         t = self.recipe.train
         self.log = MetricLog(self.out, t.report_to, self.history) if self.rank == 0 else None
         self.batches = self.micro_batches(self.start * t.gradient_accumulation_steps)
-        with tqdm(total=self.steps, initial=self.start, desc=f"train {self.recipe.name}", disable=self.rank != 0, unit="step") as bar:
+        quiet = self.rank != 0 or not self.progress
+        with tqdm(total=self.steps, initial=self.start, desc=f"train {self.recipe.name}", disable=quiet, unit="step") as bar:
             for step in range(self.start, self.steps):
                 record = self._step(step)
                 self.history.append(record)
@@ -268,17 +290,24 @@ class Trainer:
         checkpoint.save_checkpoint(self.engine, self.out, step, meta, self.recipe.train.save_total_limit)
 
     def save(self) -> dict:
-        """The probe logits, the adapter and the summary (``train_summary.json``)."""
+        """The probe logits, the adapter and the summary."""
         write_probe(self.engine, self.dataset[0]["input_ids"][:128], self.device, self.out / "adapter_probe.safetensors")
         adapter_dir = save_adapter(self.engine, self.out / "adapter", self.recipe, self.base, self.tokenizer)
+        summary = self.summary({"adapter": str(adapter_dir)})
+        if self.rank == 0:
+            print(f"adapter saved to {adapter_dir}", flush=True)
+        return summary
+
+    def summary(self, saved: dict) -> dict:
+        """The run's summary, with what it ``saved``, also written as ``train_summary.json``;
+        the metric log is closed."""
         if self.log is not None:
             self.log.close()
         history = self.history
-        summary = {"steps": self.steps, "final_loss": history[-1]["loss"] if history else None, "adapter": str(adapter_dir),
+        summary = {"steps": self.steps, "final_loss": history[-1]["loss"] if history else None, **saved,
                    "world_size": self.world, "history": history}
         if self.rank == 0:
             (self.out / "train_summary.json").write_text(json.dumps(summary, indent=1))
-            print(f"adapter saved to {adapter_dir}", flush=True)
         return summary
 
 
