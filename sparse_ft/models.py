@@ -23,6 +23,7 @@ import torch
 from sparse_ft import rope
 from sparse_ft.dtypes import NAMES, torch_dtype
 from sparse_ft.outputs import atomic_directory
+from sparse_ft.tiny import is_built_in
 
 DTYPES = {name: torch_dtype(name) for name in NAMES}  # recipe / CLI name -> torch dtype
 META_FILE = "sparse_ft.json"
@@ -59,7 +60,7 @@ _TINY: dict[str, Path] = {}
 def resolve_model(model: str) -> str:
     """``tiny`` becomes the built-in tiny Llama (seed 0) written to a per-process temporary
     directory, so it loads (and quantises) like any checkpoint and never goes stale."""
-    if model != "tiny":
+    if not is_built_in(model):
         return model
     if "dir" not in _TINY:
         root = Path(tempfile.mkdtemp(prefix="sparse-ft-tiny-"))

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Optional
 
 from sparse_ft.config.paths import TINY_BASE_DIR as ASSET_DIR
 from sparse_ft.dtypes import NAMES as DTYPES
+from sparse_ft.tiny import BUILT_IN
 
 if TYPE_CHECKING:
     import numpy as np
@@ -96,7 +97,7 @@ def recipe_for(cfg: PretrainConfig, output_dir: Path, init_from: Optional[Path] 
 
     dims = {key: getattr(cfg, key) for key in ("hidden_size", "intermediate_size", "num_hidden_layers",
                                               "num_attention_heads", "num_key_value_heads")}
-    model = (ModelSection(name_or_path="tiny", tiny={**dims, "max_position_embeddings": cfg.context}, dtype="float32",
+    model = (ModelSection(name_or_path=BUILT_IN, tiny={**dims, "max_position_embeddings": cfg.context}, dtype="float32",
                           target_length=cfg.context) if init_from is None else
              ModelSection(name_or_path=str(init_from), dtype="float32", target_length=cfg.context))
     recipe = Recipe(model=model, attention=AttentionSection(pattern="full"), data=DataSection(source=source),

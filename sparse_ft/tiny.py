@@ -9,6 +9,15 @@ from typing import Any
 
 from sparse_ft.families import TINY_SHAPE
 
+# The name that means the built-in tiny model wherever a model is named (a recipe's
+# model.name_or_path, --model): a name, never a path.
+BUILT_IN = "tiny"
+
+
+def is_built_in(name: str) -> bool:
+    return name == BUILT_IN
+
+
 # ByT5's byte vocabulary: 3 specials (pad 0, eos 1, unk 2) + 256 bytes + 125 extra ids.
 TINY_VOCAB = 384
 

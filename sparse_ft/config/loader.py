@@ -25,6 +25,7 @@ import yaml
 from sparse_ft.config.keyvalue import parse_assignments
 from sparse_ft.config.paths import RECIPE_DIRS, REPO_ROOT
 from sparse_ft.config.schema import Recipe, fail, validate
+from sparse_ft.tiny import BUILT_IN
 from sparse_ft.outputs import atomic_file
 
 # keys that may name a local path, with the suffixes that make a value a file even before it exists
@@ -33,7 +34,6 @@ PATH_KEYS = {
     ("data", "source"): (".jsonl", ".json", ".parquet", ".txt"),  # what sparse_ft.data.sources reads
     ("deepspeed",): (".json",),
 }
-BUILT_IN = "tiny"  # model.name_or_path's built-in model: a name, never a path
 
 
 def find_recipe(name_or_path: str) -> Path:

@@ -13,11 +13,12 @@ from typing import Any, NoReturn, Optional
 from sparse_ft.config.deepspeed_file import RECIPE_OWNED, is_auto, precision, read_deepspeed_config
 from sparse_ft.dtypes import NAMES as DTYPE_NAMES
 from sparse_ft.rope import METHODS as ROPE_METHODS
+from sparse_ft.tiny import BUILT_IN, is_built_in
 
 
 @dataclass
 class ModelSection:
-    name_or_path: str = "tiny"  # HF id, local directory, or "tiny": the built-in test model
+    name_or_path: str = BUILT_IN  # HF id, local directory, or "tiny": the built-in test model
     dtype: str = "bfloat16"
     target_length: int = 8192
     rope_method: str = "linear"
@@ -211,7 +212,7 @@ def _check_tiny(model: ModelSection) -> None:
     name or dimensions LlamaConfig refuses fail here rather than after the run has started."""
     if not model.tiny:
         return
-    if model.name_or_path != "tiny":
+    if not is_built_in(model.name_or_path):
         fail("model.tiny", model.tiny, "only applies with model.name_or_path=tiny")
     from sparse_ft.tiny import tiny_llama_config
 

@@ -12,6 +12,7 @@ from sparse_ft.attention import use_attention
 from sparse_ft.config import LoraSection, Recipe
 from sparse_ft.methods import Method
 from sparse_ft.models import DTYPES
+from sparse_ft.tiny import is_built_in
 
 _KEEP_ALIVE: list = []  # transformers reads the ZeRO-3 config through a weak global reference
 
@@ -27,7 +28,7 @@ def training_method(recipe: Recipe) -> Method:
 
 
 def base_model_path(recipe: Recipe) -> str:
-    if recipe.model.name_or_path == "tiny":
+    if is_built_in(recipe.model.name_or_path):
         return str(Path(recipe.train.output_dir) / "base-model")
     return recipe.model.name_or_path
 

@@ -15,10 +15,11 @@ from attn_patterns import kernels
 from sparse_ft.config import Recipe
 from sparse_ft.config.schema import BadInput, check_sequence_parallel, fail, one_line
 from sparse_ft.data.packing import check_source
+from sparse_ft.families import geometry
 from sparse_ft.methods import Method
 from sparse_ft.models import load_tokenizer
 from sparse_ft.train import checkpoint
-from sparse_ft.tiny import tiny_llama_config, tiny_tokenizer
+from sparse_ft.tiny import is_built_in, tiny_llama_config, tiny_tokenizer
 
 
 def preflight(recipe: Recipe, method: Method) -> None:
@@ -48,7 +49,7 @@ def check_model(recipe: Recipe, method: Method):
 
 def _model_key(recipe: Recipe) -> tuple[str, Any]:
     """The recipe key that decides the model's shape."""
-    if recipe.model.name_or_path == "tiny":
+    if is_built_in(recipe.model.name_or_path):
         return "model.tiny", recipe.model.tiny
     return "model.name_or_path", recipe.model.name_or_path
 
@@ -68,7 +69,7 @@ def _model_config(recipe: Recipe):
     from transformers import AutoConfig
 
     name = recipe.model.name_or_path
-    if name == "tiny":
+    if is_built_in(name):
         return tiny_llama_config(**recipe.model.tiny)  # the schema has checked the overrides
     path = Path(name)  # as from_pretrained will read it
     if not path.exists() and not _is_repo_id(name):
@@ -86,11 +87,10 @@ def _model_config(recipe: Recipe):
 def _check_heads(recipe: Recipe, config, method: Method) -> None:
     """Grouped-query attention, the pattern and sequence parallelism all divide the heads;
     unchecked, any fails in the first forward."""
-    heads = getattr(config, "num_attention_heads", None)
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    if heads is not None and heads % kv_heads:
-        fail(*_model_key(recipe), f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
-    if heads is not None:
+    if getattr(config, "num_attention_heads", None) is not None:
+        heads, kv_heads, _ = geometry(config)
+        if heads % kv_heads:
+            fail(*_model_key(recipe), f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
         world = int(os.environ.get("WORLD_SIZE", "1"))
         check_sequence_parallel(recipe.train.sequence_parallel_size, world, heads, kv_heads)
     try:
@@ -144,7 +144,7 @@ def _check_data(recipe: Recipe) -> None:
     file is reported by file and line."""
     model = recipe.model
     try:
-        tokenizer = tiny_tokenizer() if model.name_or_path == "tiny" else load_tokenizer(model.name_or_path, model.trust_remote_code)
+        tokenizer = tiny_tokenizer() if is_built_in(model.name_or_path) else load_tokenizer(model.name_or_path, model.trust_remote_code)
     except Exception as err:  # tokenizer files and remote code fail in many types
         fail("model.name_or_path", model.name_or_path, f"its tokenizer cannot be loaded: {one_line(err)}")
     try:

@@ -31,6 +31,7 @@ from sparse_ft.train.fingerprint import check_resume, fingerprint
 from sparse_ft.train.metrics import MetricLog, peak_memory_mib
 from sparse_ft.train.model_setup import base_model_path, build_model, training_method
 from sparse_ft.train.preflight import preflight
+from sparse_ft.tiny import is_built_in
 
 
 class DataOrder:
@@ -155,7 +156,7 @@ class Trainer:
             check_resume(meta["fingerprint"], self.fingerprint, t.resume_allow_changes, found)
         save_resolved(self.recipe, self.out)
         print(f"recipe {self.recipe.name}:\n{format_recipe(self.recipe)}", flush=True)
-        if self.recipe.model.name_or_path == "tiny":
+        if is_built_in(self.recipe.model.name_or_path):
             materialize_tiny(Path(self.base), t.seed, **self.recipe.model.tiny)
         return meta["step"] if meta is not None else -1
 
