@@ -1,7 +1,7 @@
 """RoPE re-positioning shared by the training-free methods (DCA, LongHeads): transformers
 hands attention functions q/k already rotated at their true positions, and RoPE is a
 rotation, so moving a vector to another position is one more rotation by the difference.
-The frequencies come from the caller (``sparse_ft.rope.rope_inv_freq`` reads a model's)."""
+The frequencies come from the caller (``sparse_ft.modeling.rope.rope_inv_freq`` reads a model's)."""
 
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ import torch
 from sparse_ft.data.passkey_docs import answer_ids
 from sparse_ft.data.passkey_prompt import build_prompt
 from sparse_ft.evaluation import loading
-from sparse_ft.pretrain import ASSET_DIR
+from sparse_ft.experiment.pretrain import ASSET_DIR
 
 MENTIONS = ("needle", "needle repeat", "answer")
 

@@ -14,8 +14,9 @@ def use_attention(model: Any, spec: Any, **params: Any) -> Any:
     ``params`` (any of ``sparse_ft.methods.names()``), a Method, or a Pattern object.
     ``"full"`` switches back to the model's own attention, logits bit-identical to before.
     Returns the model. The name is resolved by the methods, the method installed by
-    ``sparse_ft.attention``, which knows no names."""
-    from sparse_ft import attention, methods
+    ``sparse_ft.modeling.attention``, which knows no names."""
+    from sparse_ft import methods
+    from sparse_ft.modeling import attention
 
     return attention.use_attention(model, methods.resolve(spec, "pattern", **params))
 

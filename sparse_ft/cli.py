@@ -19,9 +19,9 @@ from sparse_ft import __version__
 COMMANDS = {
     "train": "sparse_ft.train.cli",
     "eval": "sparse_ft.evaluation.cli",
-    "merge": "sparse_ft.merge",
-    "pretrain": "sparse_ft.pretrain",
-    "experiment": "sparse_ft.experiment",
+    "merge": "sparse_ft.modeling.merge",
+    "pretrain": "sparse_ft.experiment.pretrain",
+    "experiment": "sparse_ft.experiment.run",
     "bench": "sparse_ft.bench.cli",
 }
 

@@ -50,7 +50,7 @@ def assert_adapter_reproduces_probe(out):
     """The saved adapter, reloaded with PeftModel.from_pretrained through the trained RoPE,
     gives the logits the model had in memory before saving."""
     from sparse_ft import use_attention
-    from sparse_ft.models import load_adapter_model, read_meta
+    from sparse_ft.modeling.model_io import load_adapter_model, read_meta
 
     adapter = Path(out) / "adapter"
     tensors = load_file(str(adapter / "adapter_model.safetensors"))

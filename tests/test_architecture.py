@@ -16,21 +16,21 @@ from attn_patterns.reference import dense_attention
 from sparse_ft import methods, use_attention
 from sparse_ft.cli import main
 from sparse_ft.config import load_recipe
-from sparse_ft.tiny import tiny_llama
+from sparse_ft.modeling.tiny import tiny_llama
 from sparse_ft.train.trainer import train
 
 ROOT = Path(__file__).resolve().parent.parent
 
 # The layers of docs/architecture.md, lowest first, each a list of groups (a package or one
 # module): a module may import its own group and lower layers, never a group beside it or a
-# layer above. sparse_ft.attention sits below sparse_ft.methods: the seam is one-way.
+# layer above. sparse_ft.modeling.attention sits below sparse_ft.methods: the seam is one-way.
 LAYERS = [
     [("attn_patterns",)],
-    [("sparse_ft.families",)],
-    [("sparse_ft.rope",), ("sparse_ft.tiny",), ("sparse_ft.quantization",), ("sparse_ft.outputs",), ("sparse_ft.dtypes",),
-     ("sparse_ft.attention",)],
+    [("sparse_ft.modeling.families",)],
+    [("sparse_ft.modeling.rope",), ("sparse_ft.modeling.tiny",), ("sparse_ft.modeling.quantization",),
+     ("sparse_ft.modeling.dtypes",), ("sparse_ft.modeling.attention",), ("sparse_ft.files.outputs",)],
     [("sparse_ft.methods",)],
-    [("sparse_ft.models",), ("sparse_ft.data",)],
+    [("sparse_ft.modeling.model_io",), ("sparse_ft.data",)],
     [("sparse_ft.config",)],
     [("sparse_ft.evaluation",), ("sparse_ft.train",)],
 ]
@@ -142,8 +142,8 @@ def test_attention_imports_no_method():
     """The one-way seam: methods import the installer, which takes ready methods, knows no
     names and imports nothing of sparse_ft.methods, not even inside a function."""
     graph = _import_graph()
-    assert "sparse_ft.attention" in graph["sparse_ft.methods.base"]
-    assert not {t for t in graph["sparse_ft.attention"] if t.startswith("sparse_ft.methods")}
+    assert "sparse_ft.modeling.attention" in graph["sparse_ft.methods.base"]
+    assert not {t for t in graph["sparse_ft.modeling.attention"] if t.startswith("sparse_ft.methods")}
 
 
 def test_layers_import_only_what_the_architecture_allows():

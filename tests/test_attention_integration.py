@@ -1,5 +1,5 @@
 """Patterns inside real transformers models, a tiny one of every family in
-sparse_ft.families (Llama, Mistral, Qwen2, with grouped-query attention), against the same
+sparse_ft.modeling.families (Llama, Mistral, Qwen2, with grouped-query attention), against the same
 models running a dense masked reference attention."""
 
 import pytest
@@ -10,8 +10,8 @@ from transformers import AttentionInterface
 import attn_patterns
 from attn_patterns.reference import dense_attention
 from sparse_ft import methods, use_attention
-from sparse_ft.attention import current_method
-from sparse_ft.families import FAMILIES
+from sparse_ft.modeling.attention import current_method
+from sparse_ft.modeling.families import FAMILIES
 from sparse_ft.methods import Method
 
 # Parameters that make each pattern apply to 8 heads and the short test sequences; names not
@@ -52,7 +52,7 @@ AttentionInterface.register("test_dense_reference", _reference_attention)
 
 
 def build(kind, seed=0):
-    """The tiny model of a listed family (sparse_ft.families)."""
+    """The tiny model of a listed family (sparse_ft.modeling.families)."""
     return FAMILIES[kind].tiny_model(seed)
 
 
@@ -268,9 +268,9 @@ def test_full_is_the_models_own_attention_and_causal_the_toolkits():
 
 
 def test_the_installer_takes_ready_methods_and_names_resolve_with_the_methods():
-    """sparse_ft.attention knows no names (the one-way seam); an algorithm object needs its
+    """sparse_ft.modeling.attention knows no names (the one-way seam); an algorithm object needs its
     method, which knows what the model must supply."""
-    from sparse_ft import attention
+    from sparse_ft.modeling import attention
 
     model = build("llama")
     with pytest.raises(ValueError, match=r"installs a ready method.*sparse_ft.use_attention\(model, name, \*\*params\)"):

@@ -1,4 +1,4 @@
-"""The benchmarks run end to end on CPU at tiny sizes and write what bench/gpu.sh collects on
+"""The benchmarks run end to end on CPU at tiny sizes and write what scripts/gpu_bench.sh collects on
 a GPU: JSON and a markdown table with the command, rows per size, OOM recorded, not fatal."""
 
 import json

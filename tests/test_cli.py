@@ -14,8 +14,8 @@ import pytest
 
 from sparse_ft import __version__
 from sparse_ft.cli import HelpFormatter, build_parser, main
-from sparse_ft.models import adapter_base
-from sparse_ft.outputs import OUTPUT_MARKER, atomic_directory
+from sparse_ft.modeling.model_io import adapter_base
+from sparse_ft.files.outputs import OUTPUT_MARKER, atomic_directory
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -110,7 +110,7 @@ def adapter(tmp_path_factory):
     """A PEFT adapter on a saved tiny base, as sparse-ft train writes it (without training)."""
     from peft import LoraConfig, get_peft_model
 
-    from sparse_ft.tiny import tiny_llama, tiny_tokenizer
+    from sparse_ft.modeling.tiny import tiny_llama, tiny_tokenizer
 
     root = tmp_path_factory.mktemp("merge")
     base, adapter = root / "base", root / "run" / "adapter"

@@ -8,7 +8,7 @@ import pytest
 from sparse_ft.data import packing
 from sparse_ft.data.packing import build_train_dataset
 from sparse_ft.data.sources import iter_texts
-from sparse_ft.tiny import tiny_tokenizer
+from sparse_ft.modeling.tiny import tiny_tokenizer
 
 
 def cfg(tmp_path, source, **kw):

@@ -20,16 +20,16 @@ from attn_patterns import Algorithm
 from attn_patterns.dca import dca_attention
 from attn_patterns.rotary import default_inv_freq, rotate
 from sparse_ft import methods, use_attention
-from sparse_ft.attention import current_method
+from sparse_ft.modeling.attention import current_method
 from sparse_ft.methods import Method
 from sparse_ft.methods.dca import SPARSE_KEYS, model_dca_config, params_from_config
-from sparse_ft.tiny import tiny_llama
+from sparse_ft.modeling.tiny import tiny_llama
 
 VARIANTS = attn_patterns.dca.VARIANTS
 
 
 def _load_bench(name: str):
-    path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -435,7 +435,7 @@ def test_packed_positions_are_refused():
 
 @pytest.mark.parametrize("variant, n", [("paper", 200), ("chunkllama", 200), ("qwen", 200), ("qwen", 64)])
 def test_variants_equal_their_sources_formulas(variant, n):
-    """Logits of our DCA against each source's formulas written densely (bench/dca_sources.py:
+    """Logits of our DCA against each source's formulas written densely (scripts/dca_sources.py:
     the paper's eqs.; ChunkLlama's q_t/qc_t/k_t tables and mscale; the engines' tables, key and
     softmax scaling, from the tiny Qwen2's own dual_chunk_attention_config) over 200 tokens."""
     assert SOURCES.agreement(variant, n) < 1e-5
@@ -505,6 +505,6 @@ def test_cli_says_the_values_it_read(tmp_path, capsys):
 
 
 def test_experiment_has_a_qwen_row():
-    from sparse_ft.experiment import free_methods
+    from sparse_ft.experiment.run import free_methods
 
     assert free_methods()["dca_qwen"] == ("dca", {"variant": "qwen"})

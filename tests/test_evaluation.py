@@ -14,7 +14,7 @@ from sparse_ft.data import passkey_prompt
 from sparse_ft.evaluation import passkey, ppl
 from sparse_ft.evaluation.scoring import window_nll
 from sparse_ft.evaluation.windows import Window, plan
-from sparse_ft.tiny import tiny_llama, tiny_tokenizer
+from sparse_ft.modeling.tiny import tiny_llama, tiny_tokenizer
 
 
 def test_standard_windows_by_hand():
@@ -169,7 +169,7 @@ def check_quantised_ppl(tmp_path, device: str, shape: str):
     import bitsandbytes as bnb
 
     from sparse_ft.evaluation import loading
-    from sparse_ft.quantization import unquantised_layers
+    from sparse_ft.modeling.quantization import unquantised_layers
 
     text = b"The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. "
     tokens = np.frombuffer(text * 8, dtype=np.uint8).astype(np.int64) + 3  # ByT5 ids: byte + 3
@@ -331,10 +331,10 @@ def test_prepare_eval_and_adapter_evaluation(tmp_path, capsys, monkeypatch):
     from pathlib import Path
 
     from sparse_ft.config import load_recipe
-    from sparse_ft.models import read_meta
+    from sparse_ft.modeling.model_io import read_meta
     from sparse_ft.train.trainer import train
 
-    script = Path(__file__).resolve().parent.parent / "data" / "prepare_eval.py"
+    script = Path(__file__).resolve().parent.parent / "scripts" / "prepare_eval.py"
     spec = importlib.util.spec_from_file_location("prepare_eval", script)
     prepare_eval = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(prepare_eval)
@@ -359,7 +359,7 @@ def test_prepare_eval_and_adapter_evaluation(tmp_path, capsys, monkeypatch):
                  "--lengths", "512", "--stride", "256", "--output", str(tmp_path / "a.json")]) == 0
     assert json.loads((tmp_path / "a.json").read_text())["results"][0]["tokens"] > 0
     # the adapter's trained RoPE (linear x2 to 512) is in place, and pi composes with it
-    from sparse_ft import rope
+    from sparse_ft.modeling import rope
     from sparse_ft.evaluation import loading
 
     model, _ = loading.load(base, str(run / "adapter"))

@@ -3,8 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from sparse_ft.experiment import QUICK, ExperimentConfig, Runner, config_from_args
-from sparse_ft.models import materialize_tiny
+from sparse_ft.experiment.run import QUICK, ExperimentConfig, Runner, config_from_args
+from sparse_ft.modeling.model_io import materialize_tiny
 
 MODULES = ["heapq", "textwrap", "bisect", "queue", "string", "fractions"]
 

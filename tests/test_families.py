@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from attn_patterns.rotary import default_inv_freq
-from sparse_ft.families import FAMILIES, Family, add_family, geometry, remove_family
-from sparse_ft.rope import rope_inv_freq, rope_parameters
+from sparse_ft.modeling.families import FAMILIES, Family, add_family, geometry, remove_family
+from sparse_ft.modeling.rope import rope_inv_freq, rope_parameters
 
 from test_attention_integration import check_no_future_leak, check_patterns_match_dense_reference
 

@@ -19,7 +19,7 @@ from helpers_train import (common, curve, losses, one_thread, reference, snapsho
 from sparse_ft.config import load_recipe
 from sparse_ft.train import checkpoint
 from sparse_ft.train.checkpoint import complete_checkpoints, verify
-from sparse_ft.outputs import RUN_LOCK as LOCK, RunLock
+from sparse_ft.files.outputs import RUN_LOCK as LOCK, RunLock
 from sparse_ft.train.checkpoint import claim_checkpoints
 from sparse_ft.train.trainer import train
 

@@ -17,7 +17,7 @@ from attn_patterns.longheads import LongHeads
 from attn_patterns.reference import dense_attention
 from attn_patterns.rotary import default_inv_freq, rotate
 from sparse_ft import use_attention
-from sparse_ft.tiny import tiny_llama
+from sparse_ft.modeling.tiny import tiny_llama
 
 from helpers_train import assert_adapter_reproduces_probe
 from test_evaluation import SHAPES, check_quantised_ppl

@@ -9,8 +9,8 @@ import torch
 import attn_patterns
 from attn_patterns.longheads import LongHeads, rerotate
 from sparse_ft import use_attention
-from sparse_ft.rope import rope_inv_freq
-from sparse_ft.tiny import tiny_llama
+from sparse_ft.modeling.rope import rope_inv_freq
+from sparse_ft.modeling.tiny import tiny_llama
 
 INV_FREQ = 1.0 / (10000.0 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))
 
@@ -154,7 +154,7 @@ def test_default_chunks_fill_pretraining_length_and_reject_too_big():
 
 @pytest.mark.parametrize("method", [None, "linear", "yarn"])
 def test_inv_freq_from_config_matches_model(method):
-    from sparse_ft import rope
+    from sparse_ft.modeling import rope
 
     model = tiny_llama()
     if method:
@@ -215,7 +215,7 @@ def test_out_of_sync_cache_is_an_error(long_model):
 def test_passkey_through_evaluation_path():
     from sparse_ft import methods
     from sparse_ft.evaluation import passkey
-    from sparse_ft.tiny import tiny_tokenizer
+    from sparse_ft.modeling.tiny import tiny_tokenizer
 
     method = methods.get("longheads", chunk_size=32, chunks=4)
     model = tiny_llama()

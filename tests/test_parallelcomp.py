@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from sparse_ft.methods import parallelcomp as pc
-from sparse_ft.tiny import tiny_llama, tiny_tokenizer
+from sparse_ft.modeling.tiny import tiny_llama, tiny_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -3,9 +3,9 @@ import json
 import pytest
 import torch
 
-from sparse_ft.data.corpus import build_corpus, load_blocks
-from sparse_ft.pretrain import ASSET_DIR, PretrainConfig, lr_at, pretrain, train
-from sparse_ft.tiny import tiny_tokenizer
+from sparse_ft.experiment.corpus import build_corpus, load_blocks
+from sparse_ft.experiment.pretrain import ASSET_DIR, PretrainConfig, lr_at, pretrain, train
+from sparse_ft.modeling.tiny import tiny_tokenizer
 
 MICRO = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=4,
              context=128, steps=3, batch_size=2, warmup_steps=1, log_every=1, eval_windows=2, passkey_trials=0)

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from sparse_ft import rope
-from sparse_ft.tiny import tiny_llama, tiny_llama_config
+from sparse_ft.modeling import rope
+from sparse_ft.modeling.tiny import tiny_llama, tiny_llama_config
 
 
 def _inv_freq(model):

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from helpers_train import (ROOT, STEPS, SimulatedCrash, assert_adapter_reproduces_probe, common, curve, losses,  # noqa: F401
                            one_thread, reference, start, wait_for)
 from sparse_ft.config import load_recipe
-from sparse_ft.models import load_adapter_model
+from sparse_ft.modeling.model_io import load_adapter_model
 from sparse_ft.train import checkpoint
 from sparse_ft.train.checkpoint import complete_checkpoints, find_resume
 from sparse_ft.train.distributed import init_distributed
@@ -161,7 +161,7 @@ def test_merge_writes_a_plain_model_with_the_trained_positions(tmp_path, referen
 def test_prepare_train_builds_the_cache_the_trainer_reuses(tmp_path, common, reference, capsys):
     cache = Path(next(o for o in common if o.startswith("data.cache_dir=")).split("=", 1)[1])
     before = sorted(cache.rglob("*"))
-    main = runpy.run_path(str(ROOT / "data" / "prepare_train.py"))["main"]
+    main = runpy.run_path(str(ROOT / "scripts" / "prepare_train.py"))["main"]
     assert main(["recipe=tiny", *common, f"train.output_dir={tmp_path / 'run'}"]) == 0
     assert "samples of 512 tokens" in capsys.readouterr().out
     assert sorted(cache.rglob("*")) == before  # found the trainer's cache instead of writing another
@@ -181,7 +181,7 @@ def test_checkpoints_from_before_a_key_existed_resume_at_its_default(tmp_path):
 def test_decay_ends_at_the_floor_and_matrices_alone_decay_on_request():
     """The one schedule serves fine-tuning (decay to 0, as before the floor existed) and
     pretraining (cosine to a fraction of the peak, no decay on norm weights)."""
-    from sparse_ft.tiny import tiny_llama
+    from sparse_ft.modeling.tiny import tiny_llama
     from sparse_ft.train.engine import param_groups, schedule
 
     plain = load_recipe("tiny", ["deepspeed=null", "train.warmup_steps=2", "train.scheduler=cosine"]).train

@@ -11,7 +11,7 @@ from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from sparse_ft.dtypes import SHORT_NAMES
+from sparse_ft.modeling.dtypes import SHORT_NAMES
 
 HELP = "benchmarks against the dense baseline"
 DTYPES = list(SHORT_NAMES)

@@ -19,7 +19,7 @@ from sparse_ft.bench import models
 from sparse_ft.bench.machine import DTYPE_NAMES, DTYPES, cell, interleaved
 from sparse_ft.evaluation import loading
 from sparse_ft.evaluation.ppl import evaluate_length
-from sparse_ft.quantization import unquantised_layers
+from sparse_ft.modeling.quantization import unquantised_layers
 
 KINDS = ("unquantised", "nf4")
 

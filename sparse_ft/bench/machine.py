@@ -13,8 +13,8 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from sparse_ft.dtypes import SHORT_NAMES as DTYPE_NAMES  # the benchmarks' --dtype values -> recipe names
-from sparse_ft.dtypes import torch_dtype
+from sparse_ft.modeling.dtypes import SHORT_NAMES as DTYPE_NAMES  # the benchmarks' --dtype values -> recipe names
+from sparse_ft.modeling.dtypes import torch_dtype
 
 DTYPES = {short: torch_dtype(name) for short, name in DTYPE_NAMES.items()}
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from sparse_ft.tiny import tiny_llama_config
+from sparse_ft.modeling.tiny import tiny_llama_config
 
 # ``tiny``: small enough for a CPU. ``1b``: the 1B-scale Llama (TinyLlama's widths with
 # 16 layers: 0.85B parameters), where attention's share of a step is what it is in practice.

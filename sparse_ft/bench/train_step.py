@@ -15,7 +15,7 @@ import torch
 from tqdm import tqdm
 
 from sparse_ft import methods
-from sparse_ft.attention import use_attention
+from sparse_ft.modeling.attention import use_attention
 from sparse_ft.bench import models
 from sparse_ft.bench.machine import DTYPE_NAMES, DTYPES, cell, measure
 from sparse_ft.config import LoraSection

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from sparse_ft.config.paths import DS_CONFIG_DIR
-from sparse_ft.dtypes import DTYPES
+from sparse_ft.modeling.dtypes import DTYPES
 
 # DeepSpeed keys the recipe owns: a config may leave them "auto" or repeat the recipe's value.
 RECIPE_OWNED = {

@@ -25,8 +25,8 @@ import yaml
 from sparse_ft.config.keyvalue import parse_assignments
 from sparse_ft.config.paths import RECIPE_DIRS, REPO_ROOT
 from sparse_ft.config.schema import Recipe, fail, validate
-from sparse_ft.tiny import BUILT_IN
-from sparse_ft.outputs import atomic_file
+from sparse_ft.modeling.tiny import BUILT_IN
+from sparse_ft.files.outputs import atomic_file
 
 # keys that may name a local path, with the suffixes that make a value a file even before it exists
 PATH_KEYS = {

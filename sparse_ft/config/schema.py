@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any, NoReturn, Optional
 
 from sparse_ft.config.deepspeed_file import RECIPE_OWNED, is_auto, precision, read_deepspeed_config
-from sparse_ft.dtypes import NAMES as DTYPE_NAMES
-from sparse_ft.rope import METHODS as ROPE_METHODS
-from sparse_ft.tiny import BUILT_IN, is_built_in
+from sparse_ft.modeling.dtypes import NAMES as DTYPE_NAMES
+from sparse_ft.modeling.rope import METHODS as ROPE_METHODS
+from sparse_ft.modeling.tiny import BUILT_IN, is_built_in
 
 
 @dataclass
@@ -214,7 +214,7 @@ def _check_tiny(model: ModelSection) -> None:
         return
     if not is_built_in(model.name_or_path):
         fail("model.tiny", model.tiny, "only applies with model.name_or_path=tiny")
-    from sparse_ft.tiny import tiny_llama_config
+    from sparse_ft.modeling.tiny import tiny_llama_config
 
     try:
         tiny_llama_config(**model.tiny)

@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from sparse_ft.data.sources import iter_texts, local_files
 from sparse_ft.data.token_files import sha256_file
-from sparse_ft.outputs import atomic_file
+from sparse_ft.files.outputs import atomic_file
 
 BATCH = 64
 TOKEN_BYTES = np.dtype(np.int32).itemsize
@@ -31,7 +31,7 @@ TOKEN_BYTES = np.dtype(np.int32).itemsize
 
 class TokenBlocks(torch.utils.data.Dataset):
     """Training samples from rows of token ids (samples, seq_len), e.g. a pretraining corpus's
-    blocks (``sparse_ft.data.corpus.load_blocks``)."""
+    blocks (``sparse_ft.experiment.corpus.load_blocks``)."""
 
     def __init__(self, samples: np.ndarray) -> None:
         self.samples = samples

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from sparse_ft.outputs import atomic_file
+from sparse_ft.files.outputs import atomic_file
 
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 

@@ -11,7 +11,7 @@ import platform
 from pathlib import Path
 
 from sparse_ft.config.keyvalue import parse_assignments
-from sparse_ft.dtypes import NAMES as DTYPES
+from sparse_ft.modeling.dtypes import NAMES as DTYPES
 
 HELP = "perplexity and passkey retrieval of a model, an adapter or a training-free method"
 
@@ -90,7 +90,7 @@ def _method(args):
 
 def _check_outputs(args, *flags: str) -> None:
     """Every output file can be written (its folder is made), before the model loads."""
-    from sparse_ft.outputs import check_parent_writable
+    from sparse_ft.files.outputs import check_parent_writable
 
     for flag in flags:
         path = getattr(args, flag)
@@ -103,7 +103,7 @@ def _check_outputs(args, *flags: str) -> None:
 
 def _load(args, method, tokenizer: bool = True):
     """The model and tokenizer; says what the method reads from the model's config."""
-    from sparse_ft.attention import pretrained
+    from sparse_ft.modeling.attention import pretrained
     from sparse_ft.evaluation import loading
 
     model, tok = loading.load(args.model, args.adapter, args.dtype, args.load_in_4bit, args.load_in_8bit,
@@ -122,8 +122,8 @@ def _config(args, model) -> dict:
     import torch
     import transformers
 
-    from sparse_ft.attention import pretrained
-    from sparse_ft.quantization import unquantised_layers
+    from sparse_ft.modeling.attention import pretrained
+    from sparse_ft.modeling.quantization import unquantised_layers
 
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("func", "prog")}
     quantised = {"unquantised_layers": unquantised_layers(pretrained(model))} if args.load_in_4bit or args.load_in_8bit else {}

@@ -1,7 +1,7 @@
 """Models for evaluation: an HF id or directory, the built-in ``tiny``, an adapter from
 train.py (its RoPE configuration restored before the weights load), and 4-/8-bit
 quantisation through transformers' ``BitsAndBytesConfig``, in which the layers bitsandbytes
-cannot quantise on the device stay in the model's dtype, named on stderr (sparse_ft.quantization)."""
+cannot quantise on the device stay in the model's dtype, named on stderr (sparse_ft.modeling.quantization)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from typing import Any, Optional
 
 import torch
 
-from sparse_ft import quantization
-from sparse_ft.models import DTYPES, load_adapter_model, load_tokenizer, resolve_model
+from sparse_ft.modeling import quantization
+from sparse_ft.modeling.model_io import DTYPES, load_adapter_model, load_tokenizer, resolve_model
 
 
 def check_quantization(load_in_4bit: bool, load_in_8bit: bool, compute_dtype: str) -> Optional[int]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from sparse_ft.outputs import atomic_file
+from sparse_ft.files.outputs import atomic_file
 
 
 def write_json(path: Path, payload: dict) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from sparse_ft.attention import pretrained
+from sparse_ft.modeling.attention import pretrained
 
 CHUNK = 1024  # logit rows (batch × positions) at once: 1024 × 32k vocabulary in fp32 = 128 MB
 

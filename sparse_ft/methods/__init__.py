@@ -14,7 +14,7 @@
 
 A new method is one module with a ``@register``-ed :class:`Method` subclass, imported below
 (docs/architecture.md walks through it). Names are resolved in :mod:`sparse_ft.methods.lookup`;
-methods install themselves through ``sparse_ft.attention``, which never imports this package.
+methods install themselves through ``sparse_ft.modeling.attention``, which never imports this package.
 """
 
 from __future__ import annotations

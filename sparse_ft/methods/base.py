@@ -20,7 +20,7 @@ import torch
 
 from attn_patterns.algorithm import Algorithm
 from attn_patterns.registry import Registry
-from sparse_ft.attention import use_attention
+from sparse_ft.modeling.attention import use_attention
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ import torch
 from attn_patterns.dca import DualChunkAttention, dca_attention
 from attn_patterns.kernels import LSE_BACKENDS
 from sparse_ft.methods.base import AlgorithmMethod, Supports, register
-from sparse_ft.rope import rope_inv_freq
+from sparse_ft.modeling.rope import rope_inv_freq
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from typing import Any, Optional
 import torch
 
 from attn_patterns.longheads import LongHeads, chunk_representations, longheads_attention
-from sparse_ft import rope
+from sparse_ft.modeling import rope
 from sparse_ft.methods.base import AlgorithmMethod, Supports, register
 
 _STATE_ATTR = "_longheads_state"

@@ -34,8 +34,8 @@ import torch
 import torch.nn.functional as F
 
 from attn_patterns.checks import check_int
-from sparse_ft import rope
-from sparse_ft.attention import current_method, pretrained, use_attention
+from sparse_ft.modeling import rope
+from sparse_ft.modeling.attention import current_method, pretrained, use_attention
 from sparse_ft.methods.base import Method, Supports, greedy, model_device, register
 from sparse_ft.methods.pattern import ModelAttention
 

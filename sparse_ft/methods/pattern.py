@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from attn_patterns import Pattern
 from attn_patterns.kernels import BACKENDS
-from sparse_ft.families import geometry
+from sparse_ft.modeling.families import geometry
 from sparse_ft.methods.base import Method, Supports, register
 
 

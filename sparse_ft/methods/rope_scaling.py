@@ -1,6 +1,6 @@
 """Training-free RoPE scaling baselines: ``pi`` (linear position interpolation), ``ntk``
 (dynamic NTK) and ``yarn``, as transformers' own ``linear``, ``dynamic`` and ``yarn`` rope
-types through :func:`sparse_ft.rope.extend_to`. Attention stays the model's own.
+types through :func:`sparse_ft.modeling.rope.extend_to`. Attention stays the model's own.
 
 The factor follows the evaluated length (length ÷ the model's current context, composed with
 any scaling it already has, e.g. an adapter's; 1 within the context), so the configuration
@@ -15,8 +15,8 @@ from typing import Optional
 
 import torch
 
-from sparse_ft import rope
-from sparse_ft.attention import pretrained
+from sparse_ft.modeling import rope
+from sparse_ft.modeling.attention import pretrained
 from sparse_ft.methods.base import Method, Supports, register
 
 

@@ -1,6 +1,6 @@
 """The trained result: one standard PEFT adapter directory (LoRA + the trainable embeddings and
 norms), plus ``sparse_ft.json`` carrying the RoPE configuration it was trained with, so every
-later load uses the same positions (``sparse_ft.models.load_adapter_model`` reads it back).
+later load uses the same positions (``sparse_ft.modeling.model_io.load_adapter_model`` reads it back).
 
 Under ZeRO-3 each rank holds a slice of every parameter; saving without gathering writes
 empty tensors (a known failure of other trainers). The trainable parameters are gathered
@@ -13,9 +13,9 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from sparse_ft import rope
-from sparse_ft.models import META_FILE, SHAPE_KEYS
-from sparse_ft.outputs import atomic_directory
+from sparse_ft.modeling import rope
+from sparse_ft.modeling.model_io import META_FILE, SHAPE_KEYS
+from sparse_ft.files.outputs import atomic_directory
 
 
 def save_adapter(engine, directory: Path, recipe, base_path: str, tokenizer=None) -> Optional[Path]:

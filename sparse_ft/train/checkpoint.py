@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save
 
 from sparse_ft.config.schema import fail
 from sparse_ft.data.token_files import sha256_file
-from sparse_ft.outputs import fsync_dir, write_synced
+from sparse_ft.files.outputs import fsync_dir, write_synced
 from sparse_ft.train.engine import Engine
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq")

@@ -20,7 +20,7 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from sparse_ft.config import Recipe, TrainSection
-from sparse_ft.models import DTYPES
+from sparse_ft.modeling.model_io import DTYPES
 
 
 def schedule(train: TrainSection, total_steps: int) -> Callable[[int], float]:

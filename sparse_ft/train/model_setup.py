@@ -7,12 +7,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from sparse_ft import methods, rope
-from sparse_ft.attention import use_attention
+from sparse_ft import methods
+from sparse_ft.modeling import rope
+from sparse_ft.modeling.attention import use_attention
 from sparse_ft.config import LoraSection, Recipe
 from sparse_ft.methods import Method
-from sparse_ft.models import DTYPES
-from sparse_ft.tiny import is_built_in
+from sparse_ft.modeling.model_io import DTYPES
+from sparse_ft.modeling.tiny import is_built_in
 
 _KEEP_ALIVE: list = []  # transformers reads the ZeRO-3 config through a weak global reference
 

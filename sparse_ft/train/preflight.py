@@ -15,11 +15,11 @@ from attn_patterns import kernels
 from sparse_ft.config import Recipe
 from sparse_ft.config.schema import BadInput, check_sequence_parallel, fail, one_line
 from sparse_ft.data.packing import check_source
-from sparse_ft.families import geometry
+from sparse_ft.modeling.families import geometry
 from sparse_ft.methods import Method
-from sparse_ft.models import load_tokenizer
+from sparse_ft.modeling.model_io import load_tokenizer
 from sparse_ft.train import checkpoint
-from sparse_ft.tiny import is_built_in, tiny_llama_config, tiny_tokenizer
+from sparse_ft.modeling.tiny import is_built_in, tiny_llama_config, tiny_tokenizer
 
 
 def preflight(recipe: Recipe, method: Method) -> None:

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from sparse_ft.attention import IMPLEMENTATION, pretrained, sparse_ft_attention
+from sparse_ft.modeling.attention import IMPLEMENTATION, pretrained, sparse_ft_attention
 from sparse_ft.config import Recipe
 from sparse_ft.train.deepspeed import DeepSpeedEngine
 

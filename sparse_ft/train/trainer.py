@@ -19,8 +19,8 @@ from tqdm import tqdm
 
 from sparse_ft.config import Recipe, format_recipe, save_resolved
 from sparse_ft.data.packing import build_train_dataset
-from sparse_ft.models import load_tokenizer, materialize_tiny
-from sparse_ft.outputs import RunLock
+from sparse_ft.modeling.model_io import load_tokenizer, materialize_tiny
+from sparse_ft.files.outputs import RunLock
 from sparse_ft.train import checkpoint, sequence_parallel
 from sparse_ft.train.checkpoint import claim_checkpoints
 from sparse_ft.train.adapter import save_adapter
@@ -31,7 +31,7 @@ from sparse_ft.train.fingerprint import check_resume, fingerprint
 from sparse_ft.train.metrics import MetricLog, peak_memory_mib
 from sparse_ft.train.model_setup import base_model_path, build_model, training_method
 from sparse_ft.train.preflight import preflight
-from sparse_ft.tiny import is_built_in
+from sparse_ft.modeling.tiny import is_built_in
 
 
 class DataOrder:

@@ -10,7 +10,7 @@ import argparse
 from pathlib import Path
 from typing import Optional
 
-from sparse_ft.dtypes import NAMES as DTYPES
+from sparse_ft.modeling.dtypes import NAMES as DTYPES
 
 HELP = "merge a trained adapter into its base model"
 
@@ -28,9 +28,9 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 def merge(adapter: str, output: Path, base: Optional[str] = None, dtype: str = "float32", trust_remote_code: bool = False,
           overwrite: bool = False) -> Path:
-    from sparse_ft.dtypes import torch_dtype
-    from sparse_ft.models import adapter_base, load_adapter_model, load_tokenizer, read_meta
-    from sparse_ft.outputs import atomic_directory, check_apart, check_output_dir
+    from sparse_ft.modeling.dtypes import torch_dtype
+    from sparse_ft.modeling.model_io import adapter_base, load_adapter_model, load_tokenizer, read_meta
+    from sparse_ft.files.outputs import atomic_directory, check_apart, check_output_dir
 
     output = Path(output)
     base = base or adapter_base(adapter, read_meta(adapter))

@@ -1,7 +1,7 @@
 """``sparse-ft pretrain``: the tiny RoPE base model the built-in experiment extends.
 
 A small Llama (8 heads, so every pattern applies) trained from scratch at a short context
-on the stdlib + passkey corpus (``data/build_corpus.py``), on a CPU. The training is the
+on the stdlib + passkey corpus (``scripts/build_corpus.py``), on a CPU. The training is the
 toolkit's one trainer (``sparse_ft.train.pretrainer``: the fine-tuning loop, optimizer and
 schedule, every weight trainable); this module maps its settings onto a recipe, then measures
 what the experiment relies on, validation perplexity and passkey retrieval inside the window,
@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 from sparse_ft.config.paths import TINY_BASE_DIR as ASSET_DIR
-from sparse_ft.dtypes import NAMES as DTYPES
-from sparse_ft.tiny import BUILT_IN
+from sparse_ft.modeling.dtypes import NAMES as DTYPES
+from sparse_ft.modeling.tiny import BUILT_IN
 
 if TYPE_CHECKING:
     import numpy as np
@@ -175,8 +175,8 @@ def machine() -> dict:
 
 def save(model, tokenizer, stats: dict, output: Path, save_dtype: str, overwrite: bool = False) -> Path:
     """Written to a temporary directory and renamed: an interrupted save leaves the old one."""
-    from sparse_ft.dtypes import torch_dtype
-    from sparse_ft.outputs import atomic_directory
+    from sparse_ft.modeling.dtypes import torch_dtype
+    from sparse_ft.files.outputs import atomic_directory
 
     with atomic_directory(Path(output), "sparse-ft pretrain", overwrite, "--output") as tmp:
         model.to(torch_dtype(save_dtype)).save_pretrained(tmp, safe_serialization=True)
@@ -191,17 +191,17 @@ def pretrain(cfg: PretrainConfig, corpus: Path = CORPUS_DIR, output: Path = ASSE
     """Build the corpus if missing, train, evaluate, save; returns the stats written (with the
     stats of ``init_from``'s training under ``previous_phase``). ``output`` is checked first:
     apart from the inputs, and an earlier output of this command only with ``overwrite``."""
-    from sparse_ft.data.corpus import PASSKEY_FRACTION, build_corpus, load_blocks
+    from sparse_ft.experiment.corpus import PASSKEY_FRACTION, build_corpus, load_blocks
     from sparse_ft.evaluation.tokens import load_tokens
-    from sparse_ft.outputs import check_apart, check_output_dir
-    from sparse_ft.tiny import tiny_tokenizer
+    from sparse_ft.files.outputs import check_apart, check_output_dir
+    from sparse_ft.modeling.tiny import tiny_tokenizer
 
     corpus, output = Path(corpus), Path(output)
     check_apart(output, "--output", {"--corpus": corpus, "--init-from": init_from})
     check_output_dir(output, overwrite)
     tokenizer = tiny_tokenizer()
     if not (corpus / "corpus.json").exists():
-        print(f"building the corpus in {corpus} (data/build_corpus.py)")
+        print(f"building the corpus in {corpus} (scripts/build_corpus.py)")
         build_corpus(corpus, tokenizer, context=cfg.context, seed=cfg.seed, max_blocks=max_blocks,
                      passkey_fraction=PASSKEY_FRACTION if passkey_fraction is None else passkey_fraction)
     previous = None
@@ -231,7 +231,7 @@ FLAGS = {  # PretrainConfig fields the command line sets, with their help
 
 def configure(p: argparse.ArgumentParser) -> None:
     defaults = PretrainConfig()
-    p.add_argument("--corpus", type=Path, default=CORPUS_DIR, help="token corpus, built here by data/build_corpus.py if missing")
+    p.add_argument("--corpus", type=Path, default=CORPUS_DIR, help="token corpus, built here by scripts/build_corpus.py if missing")
     p.add_argument("--output", type=Path, default=ASSET_DIR,
                    help="checkpoint directory; new, empty, or an earlier output with --overwrite")
     p.add_argument("--overwrite", action="store_true", help="replace --output when it holds an earlier sparse-ft output")
@@ -240,7 +240,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save-dtype", default=defaults.save_dtype, choices=DTYPES, help="dtype of the saved weights")
     p.add_argument("--init-from", type=Path, default=None, help="continue from this checkpoint, a second phase (default: a fresh model)")
     p.add_argument("--passkey-fraction", type=float, default=None,
-                   help="share of passkey documents when the corpus is built here (default: data/build_corpus.py's)")
+                   help="share of passkey documents when the corpus is built here (default: scripts/build_corpus.py's)")
     p.add_argument("--max-blocks", type=int, default=None, help="when the corpus is built here: stop after N blocks (default: no limit)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's; 1 is much faster when other jobs share the cores)")

@@ -152,7 +152,7 @@ def rope_inv_freq(config: Any, method: str = "re-positioning") -> torch.Tensor:
         if rope_type not in ROPE_INIT_FUNCTIONS:
             raise ValueError(f"{method}: rope_type={rope_type!r} is unknown to transformers; allowed: default, {', '.join(ROPE_INIT_FUNCTIONS)}")
         return ROPE_INIT_FUNCTIONS[rope_type](config, None)[0].float()
-    from sparse_ft.families import geometry
+    from sparse_ft.modeling.families import geometry
 
     dim = int(geometry(config).head_dim * params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)))
     return default_inv_freq(dim, params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))

@@ -29,7 +29,7 @@ from tqdm import tqdm
 from sparse_ft.data.passkey_docs import passkey_document
 from sparse_ft.data.stdlib_text import iter_stdlib_documents
 from sparse_ft.data.token_files import DTYPES, dtype_for, sha256_file, write_token_file, write_tokens
-from sparse_ft.outputs import atomic_file
+from sparse_ft.files.outputs import atomic_file
 
 
 # Half the blocks: with 30 % the committed base formed no copy (induction) heads in 900 steps

@@ -11,7 +11,7 @@ from statistics import mean
 
 from sparse_ft.evaluation.plots import plot_passkey, plot_ppl
 from sparse_ft.evaluation.report import write_json
-from sparse_ft.rope import METHODS as ROPE_NAMES
+from sparse_ft.modeling.rope import METHODS as ROPE_NAMES
 
 
 def _shown(path: str) -> str:

@@ -20,10 +20,10 @@ from typing import Any, Optional
 
 import torch
 
-from sparse_ft import rope
-from sparse_ft.dtypes import NAMES, torch_dtype
-from sparse_ft.outputs import atomic_directory
-from sparse_ft.tiny import is_built_in
+from sparse_ft.modeling import rope
+from sparse_ft.modeling.dtypes import NAMES, torch_dtype
+from sparse_ft.files.outputs import atomic_directory
+from sparse_ft.modeling.tiny import is_built_in
 
 DTYPES = {name: torch_dtype(name) for name in NAMES}  # recipe / CLI name -> torch dtype
 META_FILE = "sparse_ft.json"
@@ -44,7 +44,7 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
 def materialize_tiny(directory: Path, seed: int, **overrides: Any) -> Path:
     """The built-in tiny model, written once as an ordinary local checkpoint so that adapters
     name a base that exists and every later step loads it like any other model."""
-    from sparse_ft.tiny import tiny_llama, tiny_tokenizer
+    from sparse_ft.modeling.tiny import tiny_llama, tiny_tokenizer
 
     if (directory / "config.json").exists():
         return directory

@@ -19,8 +19,8 @@ logit for logit, with the same model running the reference as its attention func
 ``--base`` inside a pretrained model (the committed tiny base, c = 256) on this file's bytes,
 where the rows without the logit scale show what leaving it out costs.
 
-    .venv/bin/python bench/dca_sources.py                          # random tiny models, c = 64
-    .venv/bin/python bench/dca_sources.py --base assets/tiny-base --lengths 256,512,1024
+    .venv/bin/python scripts/dca_sources.py                          # random tiny models, c = 64
+    .venv/bin/python scripts/dca_sources.py --base assets/tiny-base --lengths 256,512,1024
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sparse_ft.attention import use_attention  # noqa: E402
+from sparse_ft.modeling.attention import use_attention  # noqa: E402
 from sparse_ft.methods import Method, get  # noqa: E402
 
 C = 64  # pretraining length (original_max_position_embeddings) of the tiny models
@@ -118,7 +118,7 @@ def model_for(variant: str, base: Optional[str] = None):
     """``(model, (s, w, c))``. Random: the tiny Llama (c = 64) for paper and ChunkLlama at
     their defaults, the tiny Qwen2 with its config for qwen. ``base``: that model, given for
     qwen a config in Qwen2.5-1M's proportions (chunk_size = c, local_size = c/32)."""
-    from sparse_ft.tiny import tiny_llama
+    from sparse_ft.modeling.tiny import tiny_llama
 
     if base is not None:
         from transformers import AutoModelForCausalLM

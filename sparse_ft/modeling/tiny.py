@@ -7,7 +7,7 @@ from __future__ import annotations
 import difflib
 from typing import Any
 
-from sparse_ft.families import TINY_SHAPE
+from sparse_ft.modeling.families import TINY_SHAPE
 
 # The name that means the built-in tiny model wherever a model is named (a recipe's
 # model.name_or_path, --model): a name, never a path.

@@ -1,16 +1,16 @@
 """Build the tiny base model's corpus from this Python's standard library plus synthetic
-passkey documents (see sparse_ft/data/corpus.py):
+passkey documents (see sparse_ft/experiment/corpus.py):
 
-    python data/build_corpus.py                       # data/corpus/ctx256: train.bin, val.bin, corpus.json
-    python data/build_corpus.py --context 1024 --output data/corpus/ctx1024
+    python scripts/build_corpus.py                       # data/corpus/ctx256: train.bin, val.bin, corpus.json
+    python scripts/build_corpus.py --context 1024 --output data/corpus/ctx1024
 """
 
 import argparse
 import json
 from pathlib import Path
 
-from sparse_ft.data.corpus import PASSKEY_FRACTION, build_corpus
-from sparse_ft.tiny import tiny_tokenizer
+from sparse_ft.experiment.corpus import PASSKEY_FRACTION, build_corpus
+from sparse_ft.modeling.tiny import tiny_tokenizer
 
 
 def main() -> int:
@@ -21,7 +21,7 @@ def main() -> int:
     parser.add_argument("--val-percent", type=float, default=5.0, help="share of modules held out (by content hash)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    output = args.output or Path(__file__).parent / "corpus" / f"ctx{args.context}"
+    output = args.output or Path(__file__).resolve().parent.parent / "data" / "corpus" / f"ctx{args.context}"
     manifest = build_corpus(output, tiny_tokenizer(), args.context, args.passkey_fraction, args.val_percent, args.seed)
     print(json.dumps(manifest, indent=1))
     print(f"wrote {output}")

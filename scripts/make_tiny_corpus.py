@@ -14,7 +14,7 @@ MODULES = ("heapq", "textwrap", "string", "fractions", "queue", "calendar", "dif
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--output", type=Path, default=Path(__file__).parent / "tiny" / "train.jsonl")
+    parser.add_argument("--output", type=Path, default=Path(__file__).resolve().parent.parent / "data" / "tiny" / "train.jsonl")
     parser.add_argument("--doc-chars", type=int, default=4096)
     args = parser.parse_args()
     args.output.parent.mkdir(parents=True, exist_ok=True)

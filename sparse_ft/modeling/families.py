@@ -3,7 +3,7 @@ geometry from its config.
 
 Running a model needs nothing from here: every method goes into any transformers causal LM
 whose attention layers call ``AttentionInterface`` and whose positions are RoPE, and
-``sparse_ft.attention`` checks exactly that when a method is installed. A family is listed so
+``sparse_ft.modeling.attention`` checks exactly that when a method is installed. A family is listed so
 that the tests run every pattern and algorithm inside a tiny model of it: against the dense
 reference, with padding, and with future tokens changed. That is where a family's quirks
 show, such as Mistral's sliding window, Qwen2's ``use_sliding_window`` switch, or a separate
@@ -16,7 +16,7 @@ import dataclasses
 from typing import Any, NamedTuple
 
 # The shape every tiny test model shares: 8 heads over 2 K/V heads, so every pattern and
-# grouped-query attention apply; the vocabulary holds the byte tokenizer's ids (sparse_ft.tiny).
+# grouped-query attention apply; the vocabulary holds the byte tokenizer's ids (sparse_ft.modeling.tiny).
 TINY_SHAPE: dict[str, Any] = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                   num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256)
 

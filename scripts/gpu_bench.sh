@@ -2,13 +2,13 @@
 # The GPU measurements of issue 12 on one lent H100 or H200, in three parts of under 10 minutes
 # each (one device call each; about 25 minutes in all), run from anywhere in the repository:
 #
-#   bench/gpu.sh part1   # machine and versions, the GPU tests, attention kernels (sdpa, flex, flash if importable)
-#   bench/gpu.sh part2   # training step of the 1B Llama at 8k, 16k, 32k (sdpa, then flex)
-#   bench/gpu.sh part3   # DCA prefill 8k-64k vs SDPA's flash kernel; eval NF4 vs bf16 at 8k
+#   scripts/gpu_bench.sh part1   # machine and versions, the GPU tests, attention kernels (sdpa, flex, flash if importable)
+#   scripts/gpu_bench.sh part2   # training step of the 1B Llama at 8k, 16k, 32k (sdpa, then flex)
+#   scripts/gpu_bench.sh part3   # DCA prefill 8k-64k vs SDPA's flash kernel; eval NF4 vs bf16 at 8k
 #
 # Every step has its own time cap (each part under 8.5 minutes in all); a capped step keeps the rows it measured (the JSON says
-# "complete": false). Results: bench/results/<name>-<gpu>.{json,md}, the machine in
-# bench/results/machine-<gpu>.txt; with $OUT set (the device tool) they and the part's log are
+# "complete": false). Results: results/bench/<name>-<gpu>.{json,md}, the machine in
+# results/bench/machine-<gpu>.txt; with $OUT set (the device tool) they and the part's log are
 # copied there too, to be committed from this side with the command above.
 #
 # Nothing is installed from the network. Needs python3 (or $PYTHON) with CUDA torch,
@@ -22,15 +22,15 @@ cd "$(dirname "$0")/.."
 PART=${1:-}
 PY=${PYTHON:-python3}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-case "$PART" in part1|part2|part3) ;; *) echo "usage: bench/gpu.sh part1|part2|part3" >&2; exit 2 ;; esac
+case "$PART" in part1|part2|part3) ;; *) echo "usage: scripts/gpu_bench.sh part1|part2|part3" >&2; exit 2 ;; esac
 
 if compgen -G ".whl/*.whl" >/dev/null; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
     export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
 GPU=$("$PY" -c 'import torch; assert torch.cuda.is_available(); print(torch.cuda.get_device_name().split()[1].lower())') \
-    || { echo "bench/gpu.sh: no CUDA device for $PY" >&2; exit 1; }
-RES=bench/results
+    || { echo "scripts/gpu_bench.sh: no CUDA device for $PY" >&2; exit 1; }
+RES=results/bench
 LOG=${OUT:-/tmp}/gpu-$PART-$GPU.log
 mkdir -p "$RES"
 WROTE=()
@@ -43,7 +43,7 @@ step() {  # step CAP_SECONDS NAME COMMAND...: run with a cap, log, go on whateve
     echo "== $name: exit $?"
 }
 
-bench() {  # bench CAP NAME ARGS...: sparse-ft bench ARGS --output bench/results/NAME-GPU.json
+bench() {  # bench CAP NAME ARGS...: sparse-ft bench ARGS --output results/bench/NAME-GPU.json
     local cap=$1 name=$2
     shift 2
     WROTE+=("$RES/$name-$GPU.json" "$RES/$name-$GPU.md")
@@ -101,7 +101,7 @@ part3() {
 }
 
 exec > >(tee "$LOG") 2>&1
-echo "bench/gpu.sh $PART on $GPU, commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown), $(date -u)"
+echo "scripts/gpu_bench.sh $PART on $GPU, commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown), $(date -u)"
 "$PART"
 
 if [ -n "${OUT:-}" ]; then

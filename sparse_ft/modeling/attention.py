@@ -104,7 +104,7 @@ def use_attention(model: torch.nn.Module, method: AttentionMethod) -> torch.nn.M
 
     if not (callable(method) and hasattr(method, "replaces_attention") and hasattr(method, "check_model")):
         raise ValueError(
-            f"sparse_ft.attention.use_attention installs a ready method (a sparse_ft.methods.Method), got {method!r}; "
+            f"sparse_ft.modeling.attention.use_attention installs a ready method (a sparse_ft.methods.Method), got {method!r}; "
             "a name or a pattern goes through sparse_ft.use_attention(model, name, **params)"
         )
     base = pretrained(model)

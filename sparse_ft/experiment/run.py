@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from sparse_ft.config.paths import RECIPE_DIRS
-from sparse_ft.pretrain import ASSET_DIR, machine
-from sparse_ft.rope import METHODS as ROPE_METHODS
+from sparse_ft.experiment.pretrain import ASSET_DIR, machine
+from sparse_ft.modeling.rope import METHODS as ROPE_METHODS
 
 HELP = "the tiny base extended 4x by every pattern and training-free method: tables, plots"
 RECIPE = RECIPE_DIRS[0] / "experiment" / "tiny_4x.yaml"
@@ -118,7 +118,7 @@ class Runner:
     def __init__(self, cfg: ExperimentConfig) -> None:
         from transformers import AutoConfig
 
-        from sparse_ft.rope import original_context
+        from sparse_ft.modeling.rope import original_context
 
         cfg.validate()
         self.cfg = cfg
@@ -145,10 +145,10 @@ class Runner:
 
     def data(self):
         """The fine-tuning corpus (blocks of the target length) and the validation tokens."""
-        from sparse_ft.data.corpus import PASSKEY_FRACTION, build_corpus, write_jsonl
+        from sparse_ft.experiment.corpus import PASSKEY_FRACTION, build_corpus, write_jsonl
         from sparse_ft.data.packing import build_train_dataset
         from sparse_ft.evaluation.tokens import load_tokens
-        from sparse_ft.models import load_tokenizer
+        from sparse_ft.modeling.model_io import load_tokenizer
 
         tokenizer = load_tokenizer(self.cfg.base)
         recipe = self._recipe("full", 0)
@@ -256,7 +256,7 @@ class Runner:
         row_seconds = sum(r.get("train_seconds", 0.0) + r["eval_seconds"] for r in rows)
         results = {"config": asdict(self.cfg), "context": self.context, "target": self.target, "rows": rows,
                    "wall_seconds": time.perf_counter() - began, "row_seconds": row_seconds, "machine": machine()}
-        from sparse_ft.experiment_report import write_report
+        from sparse_ft.experiment.report import write_report
 
         write_report(results, self.out)
         return results

@@ -1,8 +1,8 @@
 """Turn evaluation text into a flat token file for `sparse-ft eval ppl --data FILE.bin`:
 
-    python data/prepare_eval.py --tokenizer meta-llama/Llama-2-7b-hf --source pg19 --output data/eval/pg19-val.bin
-    python data/prepare_eval.py --tokenizer meta-llama/Llama-2-7b-hf --source proof-pile --output data/eval/proofpile-test.bin
-    python data/prepare_eval.py --tokenizer tiny --source my_text.txt --output data/eval/mine.bin
+    python scripts/prepare_eval.py --tokenizer meta-llama/Llama-2-7b-hf --source pg19 --output data/eval/pg19-val.bin
+    python scripts/prepare_eval.py --tokenizer meta-llama/Llama-2-7b-hf --source proof-pile --output data/eval/proofpile-test.bin
+    python scripts/prepare_eval.py --tokenizer tiny --source my_text.txt --output data/eval/mine.bin
 
 Shortcuts: pg19 / pg19-test = the PG19 validation / test split (`emozilla/pg19`, a parquet copy
 of `deepmind/pg19`, whose loading script current `datasets` no longer runs); proof-pile = the
@@ -39,11 +39,11 @@ def main(argv=None) -> int:
     source, split = SHORTCUTS.get(args.source, (args.source, "validation"))
     try:
         if args.tokenizer == "tiny":
-            from sparse_ft.tiny import tiny_tokenizer
+            from sparse_ft.modeling.tiny import tiny_tokenizer
 
             tokenizer = tiny_tokenizer()
         else:
-            from sparse_ft.models import load_tokenizer
+            from sparse_ft.modeling.model_io import load_tokenizer
 
             tokenizer = load_tokenizer(args.tokenizer, args.trust_remote_code)
         tokens = text_tokens(source, tokenizer, args.split or split, args.text_column, args.max_tokens)

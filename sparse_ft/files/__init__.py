@@ -1,0 +1,1 @@
+"""What sparse-ft writes to disk, written so that nothing is lost (outputs.py)."""
