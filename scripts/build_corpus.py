@@ -22,7 +22,8 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     output = args.output or Path(__file__).resolve().parent.parent / "data" / "corpus" / f"ctx{args.context}"
-    manifest = build_corpus(output, tiny_tokenizer(), args.context, args.passkey_fraction, args.val_percent, args.seed)
+    manifest = build_corpus(output, tiny_tokenizer(), args.context, args.passkey_fraction,
+                            val_percent=args.val_percent, seed=args.seed)
     print(json.dumps(manifest, indent=1))
     print(f"wrote {output}")
     return 0

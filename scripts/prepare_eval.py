@@ -46,7 +46,7 @@ def main(argv=None) -> int:
             from sparse_ft.modeling.model_io import load_tokenizer
 
             tokenizer = load_tokenizer(args.tokenizer, args.trust_remote_code)
-        tokens = text_tokens(source, tokenizer, args.split or split, args.text_column, args.max_tokens)
+        tokens = text_tokens(source, tokenizer, args.split or split, args.text_column, max_tokens=args.max_tokens)
         if len(tokens) == 0:
             raise ValueError(f"--source {args.source} holds no text")
         path = write_token_file(tokens, args.output, len(tokenizer), args.tokenizer)

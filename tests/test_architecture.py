@@ -236,3 +236,17 @@ def test_new_pattern_and_method_reach_every_user_facing_path(registered, tmp_pat
     assert main(["eval", "ppl", "--model", "tiny", "--data", str(text), "--lengths", "64", "--method", "toy_window",
                  "--method-arg", "size=16"]) == 0
     assert "| 64 |" in capsys.readouterr().out
+
+
+def test_no_function_takes_more_than_four_positional_parameters():
+    """docs/architecture.md, Conventions: the rest are keyword-only, so a call names what it
+    passes. The exception is the five arguments transformers passes an attention function."""
+    attention_call = ("module", "query", "key", "value", "attention_mask")
+    wrong = []
+    for module, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                names = [a.arg for a in node.args.posonlyargs + node.args.args if a.arg not in ("self", "cls")]
+                if len(names) > 4 and tuple(names) != attention_call:
+                    wrong.append(f"{module}.{node.name}({', '.join(names)})")
+    assert not wrong, wrong

@@ -62,7 +62,7 @@ def test_perplexity_matches_hand_computation():
     tokens = np.array([3, 1, 4, 1, 5, 9, 2, 6, 5, 3])
     nll = lambda ts: [t / 10 + log_z for t in ts]  # noqa: E731
     # standard: each of tokens[1:] scored once
-    got = ppl.evaluate_length(model, tokens, 4, 2, "standard", methods.get("full"))
+    got = ppl.evaluate_length(model, tokens, 4, 2, scoring="standard", method=methods.get("full"))
     assert got["tokens"] == 9
     assert got["ppl"] == pytest.approx(math.exp(sum(nll(tokens[1:])) / 9), rel=1e-6)
     # by hand: exp(mean NLL of 1,4,1,5,9,2,6,5,3) = exp(0.4 + log Z)
@@ -70,10 +70,11 @@ def test_perplexity_matches_hand_computation():
     # longlora: windows [0,4) and [2,6) with targets tokens[1:4] = 1,4,1 and tokens[3:6] = 1,5,9;
     # mean of window means = (0.2 + 0.5) / 2 = 0.35, plus log Z
     for batch_size in (1, 2):
-        got = ppl.evaluate_length(model, tokens, 4, 2, "longlora", methods.get("full"), batch_size=batch_size)
+        got = ppl.evaluate_length(model, tokens, 4, 2, scoring="longlora", method=methods.get("full"),
+                                  batch_size=batch_size)
         assert got["tokens"] == 6 and got["ppl"] == pytest.approx(math.exp(0.35 + log_z), rel=1e-6)
     # standard with a stride that leaves a short last window: [0,4) [3,7) [6,10) score 3+3+3
-    got = ppl.evaluate_length(model, tokens, 4, 3, "standard", methods.get("full"), batch_size=2)
+    got = ppl.evaluate_length(model, tokens, 4, 3, scoring="standard", method=methods.get("full"), batch_size=2)
     assert got["tokens"] == 9 and got["ppl"] == pytest.approx(math.exp(0.4 + log_z), rel=1e-6)
 
 
@@ -81,7 +82,7 @@ def test_chunked_loss_equals_the_full_logits_loss():
     model = tiny_llama()
     ids = torch.randint(3, 380, (2, 70))
     targets = ids[:, 11:70]
-    chunked = window_nll(model, ids, targets, 10, 69, chunk=16)
+    chunked = window_nll(model, ids, targets, 10, last=69, chunk=16)
     with torch.no_grad():
         logits = model(ids).logits[:, 10:69]
     full = torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
@@ -184,7 +185,8 @@ def check_quantised_ppl(tmp_path, device: str, shape: str):
     results = {}
     for flag in ("fp32", "load_in_4bit", "load_in_8bit"):
         loaded, _ = loading.load(str(tmp_path / "m"), device=device, **({} if flag == "fp32" else {flag: True}))
-        results[flag] = ppl.evaluate_length(loaded, tokens, 128, 64, "standard", methods.get("full"))["ppl"]
+        results[flag] = ppl.evaluate_length(loaded, tokens, 128, 64, scoring="standard",
+                                            method=methods.get("full"))["ppl"]
         if flag == "load_in_4bit":  # NF4 with double quantisation really ran, not an fp32 fallback
             kept = unquantised_layers(loaded)
             linears = {name: m for name, m in loaded.named_modules() if isinstance(m, torch.nn.Linear)}

@@ -102,7 +102,7 @@ def test_committed_checkpoint_retrieves_a_passkey_inside_its_window():
 
     model = AutoModelForCausalLM.from_pretrained(ASSET_DIR).eval()
     tok = AutoTokenizer.from_pretrained(ASSET_DIR)
-    cells = passkey.evaluate(model, tok, [248], [0.0, 0.5, 1.0], 3, methods.get("full"), seed=1)
+    cells = passkey.evaluate(model, tok, [248], [0.0, 0.5, 1.0], trials=3, method=methods.get("full"), seed=1)
     assert sum(c["accuracy"] for c in cells) / len(cells) >= 0.8, [c["outputs"] for c in cells]
 
 

@@ -68,7 +68,7 @@ def run(
     heads: Iterable[int],
     head_dims: Iterable[int],
     patterns: Iterable[str] = DEFAULT_PATTERNS,
-    dtype: str = "fp32",
+    *, dtype: str = "fp32",
     device: str = "cpu",
     kv_heads: Optional[int] = None,
     warmup: int = 1,

@@ -133,10 +133,11 @@ def main(args: argparse.Namespace) -> int:
     memory = attention.PEAK_MEMORY.get(device.type, "not measured")
     title = (f"forward+backward, batch 1, {dtype}, median of {args.repeats} after {args.warmup} warm-up, "
              f"on {machine}; peak memory: {memory}")
-    rows = attention.run(lengths, heads, dims, patterns, dtype, str(device), args.kv_heads, args.warmup, args.repeats,
-                         backends)
+    rows = attention.run(lengths, heads, dims, patterns, dtype=dtype, device=str(device), kv_heads=args.kv_heads,
+                         warmup=args.warmup, repeats=args.repeats,
+                         backends=backends)
     return _sweep(args, title, rows, attention.markdown,
-                  {"machine": machine, "device": str(device), "dtype": dtype, "warmup": args.warmup,
+                  payload={"machine": machine, "device": str(device), "dtype": dtype, "warmup": args.warmup,
                    "repeats": args.repeats, "peak_memory": memory})
 
 
@@ -155,10 +156,11 @@ def main_train(args: argparse.Namespace) -> int:
              f"{'on' if checkpointing else 'off'}, batch 1, {dtype}, patterns on {args.backend or 'sdpa'}, full attention "
              f"the model's own; "
              f"{models.describe(args.model)}), median of {args.repeats} after {args.warmup} warm-up, on {machine}")
-    rows = train_step.run(lengths, patterns, str(device), dtype, args.warmup, args.repeats, args.model, checkpointing,
-                          args.backend)
+    rows = train_step.run(lengths, patterns, str(device), dtype, warmup=args.warmup, repeats=args.repeats,
+                          model=args.model, gradient_checkpointing=checkpointing,
+                          backend=args.backend)
     return _sweep(args, title, rows, train_step.markdown,
-                  {"machine": machine, "device": str(device), "dtype": dtype, "model": args.model,
+                  payload={"machine": machine, "device": str(device), "dtype": dtype, "model": args.model,
                    "model_config": models.MODELS[args.model], "gradient_checkpointing": checkpointing,
                    "backend": args.backend, "warmup": args.warmup, "repeats": args.repeats})
 
@@ -177,9 +179,10 @@ def main_dca(args: argparse.Namespace) -> int:
     title = (f"DCA prefill vs causal SDPA{' (flash kernel)' if device.type == 'cuda' else ''}, {dtype}, "
              f"H={args.heads}/{args.kv_heads}, D={args.head_dim}, c={c}, s={s}, w={w}, fastest of {args.repeats} "
              f"alternating runs after {args.warmup} warm-up, on {machine}")
-    rows = dca.run(lengths, args.heads, args.kv_heads, args.head_dim, c, dtype, str(device), args.warmup, args.repeats)
+    rows = dca.run(lengths, args.heads, args.kv_heads, args.head_dim, pretraining_length=c, dtype=dtype,
+                   device=str(device), warmup=args.warmup, repeats=args.repeats)
     return _sweep(args, title, rows, dca.markdown,
-                  {"machine": machine, "device": str(device), "dtype": dtype, "heads": args.heads,
+                  payload={"machine": machine, "device": str(device), "dtype": dtype, "heads": args.heads,
                    "kv_heads": args.kv_heads, "head_dim": args.head_dim, "pretraining_length": c,
                    "warmup": args.warmup, "repeats": args.repeats})
 
@@ -193,26 +196,27 @@ def main_eval(args: argparse.Namespace) -> int:
     title = (f"sliding-window PPL throughput, one window per run, NF4 (double quantisation, {dtype} compute) vs "
              f"{dtype}, {models.describe(args.model)}, random weights, fastest of {args.repeats} alternating runs "
              f"after {args.warmup} warm-up, on {machine}")
-    rows = eval_throughput.run(lengths, args.model, dtype, str(device), args.warmup, args.repeats)
+    rows = eval_throughput.run(lengths, args.model, dtype, str(device), warmup=args.warmup, repeats=args.repeats)
     return _sweep(args, title, rows, lambda r: eval_throughput.markdown(r, dtype),
-                  {"machine": machine, "device": str(device), "dtype": dtype, "model": args.model,
+                  payload={"machine": machine, "device": str(device), "dtype": dtype, "model": args.model,
                    "model_config": models.MODELS[args.model], "warmup": args.warmup, "repeats": args.repeats})
 
 
-def _sweep(args: argparse.Namespace, title: str, rows: Iterable[Any], table: Callable[[list], str], payload: dict) -> int:
+def _sweep(args: argparse.Namespace, title: str, rows: Iterable[Any], table: Callable[[list], str], *,
+           payload: dict) -> int:
     command = getattr(args, "command_line", None)
     done: list = []
     for row in rows:
         done.append(row)
-        _write(args.output, title, command, table(done), {**payload, "complete": False}, done)
-    _write(args.output, title, command, table(done), {**payload, "complete": True}, done)
+        _write(args.output, title, command, table(done), payload={**payload, "complete": False}, rows=done)
+    _write(args.output, title, command, table(done), payload={**payload, "complete": True}, rows=done)
     print(f"\n{title}\n\n{table(done)}")
     if args.output:
         print(f"\nwrote {args.output} and {args.output.with_suffix('.md')}")
     return 0
 
 
-def _write(output: Path | None, title: str, command: str | None, table: str, payload: dict, rows: list) -> None:
+def _write(output: Path | None, title: str, command: str | None, table: str, *, payload: dict, rows: list) -> None:
     if output is None:
         return
     output.parent.mkdir(parents=True, exist_ok=True)

@@ -35,7 +35,8 @@ def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
 
 
-def run(lengths: Iterable[int], heads: int = 8, kv_heads: int = 2, head_dim: int = 64, pretraining_length: int = 4096,
+def run(lengths: Iterable[int], heads: int = 8, kv_heads: int = 2, head_dim: int = 64, *,
+        pretraining_length: int = 4096,
         dtype: str = "fp32", device: str = "cpu", warmup: int = 1, repeats: int = 3) -> Iterator[dict]:
     """One row per length: the fastest of alternating runs (robust on a shared machine) and
     the peak memory growth of one call of each; ``memory_exponent`` is the log-log slope of

@@ -30,7 +30,7 @@ def _load(path: str, dtype: str, device: str, nf4: bool):
     return model
 
 
-def run(lengths: Iterable[int], model: str = "tiny", dtype: str = "fp32", device: str = "cpu", warmup: int = 1,
+def run(lengths: Iterable[int], model: str = "tiny", dtype: str = "fp32", device: str = "cpu", *, warmup: int = 1,
         repeats: int = 3) -> Iterator[dict]:
     """One row per length: tokens/s of one window of that length (fastest of alternating
     runs), each model's weight footprint and the peak memory growth of one window."""
@@ -51,7 +51,9 @@ def run(lengths: Iterable[int], model: str = "tiny", dtype: str = "fp32", device
         ppl: dict[str, float] = {}
 
         def window(kind: str):
-            return lambda: ppl.__setitem__(kind, evaluate_length(loaded[kind], tokens, n, n, "standard", full)["ppl"])
+            return lambda: ppl.__setitem__(kind,
+                                           evaluate_length(loaded[kind], tokens, n, n, scoring="standard",
+                                           method=full)["ppl"])
 
         got = interleaved({kind: window(kind) for kind in KINDS}, dev, warmup, repeats)
         row: dict = {"seq_len": n, "nf4_unquantised_layers": kept}

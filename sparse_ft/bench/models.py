@@ -32,7 +32,7 @@ def config(name: str, max_length: int):
     return tiny_llama_config(max_position_embeddings=max_length, use_cache=False, **MODELS[name])
 
 
-def build(name: str, max_length: int, device: torch.device, dtype: torch.dtype, seed: int = 0):
+def build(name: str, max_length: int, device: torch.device, dtype: torch.dtype, *, seed: int = 0):
     """Weights initialised directly on ``device`` in ``dtype``: a 1B model built on the CPU in
     fp32 first would cost more time than the measurement."""
     from transformers import AutoModelForCausalLM

@@ -46,7 +46,7 @@ def trained_methods(patterns: Iterable[str], backend: Optional[str], dtype: str)
 
 
 def run(lengths: Iterable[int], patterns: Iterable[str], device: str = "cpu", dtype: str = "fp32",
-        warmup: int = 1, repeats: int = 3, model: str = "tiny", gradient_checkpointing: bool = False,
+        *, warmup: int = 1, repeats: int = 3, model: str = "tiny", gradient_checkpointing: bool = False,
         backend: Optional[str] = None) -> Iterator[StepRow]:
     dev = torch.device(device)
     lengths = list(lengths)

@@ -84,7 +84,8 @@ def build_train_dataset(data_cfg: Any, tokenizer, seq_len: int, trust_remote_cod
     if problem:
         print(f"data cache {tokens_path}: {problem}; rebuilding it", file=sys.stderr, flush=True)
     if problem or not meta_path.exists():
-        _write_cache(data_cfg, tokenizer, seq_len, tokens_path, meta_path, trust_remote_code)
+        _write_cache(data_cfg, tokenizer, seq_len, tokens_path, meta_path=meta_path,
+                     trust_remote_code=trust_remote_code)
     return PackedDataset(tokens_path, seq_len)
 
 
@@ -120,12 +121,13 @@ def check_source(data_cfg: Any, tokenizer, seq_len: int) -> None:
         pass
 
 
-def _write_cache(data_cfg, tokenizer, seq_len, tokens_path: Path, meta_path: Path, trust_remote_code: bool) -> None:
+def _write_cache(data_cfg, tokenizer, seq_len, tokens_path: Path, *, meta_path: Path, trust_remote_code: bool) -> None:
     if tokenizer.eos_token_id is None:
         raise ValueError("the tokenizer has no eos_token_id; packing separates documents with EOS")
     tokens_path.parent.mkdir(parents=True, exist_ok=True)
     kept = seen = longest = written = 0
-    texts = iter_texts(data_cfg.source, data_cfg.split, data_cfg.text_column, data_cfg.streaming, trust_remote_code)
+    texts = iter_texts(data_cfg.source, data_cfg.split, data_cfg.text_column, data_cfg.streaming,
+                       trust_remote_code=trust_remote_code)
     bar = tqdm(desc=f"tokenize {data_cfg.source}", unit="doc")
     with atomic_file(tokens_path, "wb") as out:
         batch: list[str] = []

@@ -47,20 +47,20 @@ def local_files(source: str) -> Optional[list[Path]]:
 
 
 def iter_texts(source: str, split: str = "train", text_column: str = "text", streaming: bool = False,
-               trust_remote_code: bool = False) -> Iterator[str]:
+               *, trust_remote_code: bool = False) -> Iterator[str]:
     """Documents of ``source`` (see the module docstring) in a fixed order; a source with none
     is an error once it is read to the end. ``split`` applies to HF dataset ids only; files
     are one split. ``streaming`` reads remote data without downloading it first (local JSON
     files are always read line by line)."""
     documents = 0
-    for text in _texts(source, split, text_column, streaming, trust_remote_code):
+    for text in _texts(source, split, text_column, streaming, trust_remote_code=trust_remote_code):
         documents += 1
         yield text
     if documents == 0:
         raise ValueError(f"data.source {source}: no documents (empty, or no row with a {text_column!r} value)")
 
 
-def _texts(source: str, split: str, text_column: str, streaming: bool, trust_remote_code: bool) -> Iterator[str]:
+def _texts(source: str, split: str, text_column: str, streaming: bool, *, trust_remote_code: bool) -> Iterator[str]:
     files = local_files(source)
     if files is not None:
         for path in files:

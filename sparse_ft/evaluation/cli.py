@@ -106,8 +106,9 @@ def _load(args, method, tokenizer: bool = True):
     from sparse_ft.modeling.attention import pretrained
     from sparse_ft.evaluation import loading
 
-    model, tok = loading.load(args.model, args.adapter, args.dtype, args.load_in_4bit, args.load_in_8bit,
-                              args.bnb_compute_dtype, args.trust_remote_code, args.device, tokenizer)
+    model, tok = loading.load(args.model, args.adapter, args.dtype, args.load_in_4bit, load_in_8bit=args.load_in_8bit,
+                              compute_dtype=args.bnb_compute_dtype, trust_remote_code=args.trust_remote_code,
+                              device=args.device, tokenizer=tokenizer)
     said = method.describe(pretrained(model).config)
     if said:
         print(said)
@@ -148,20 +149,22 @@ def run_ppl(args) -> int:
     is_token_file = tokens.check_data(args.data)
     model, tokenizer = _load(args, method, tokenizer=not is_token_file)
     vocab = model.get_output_embeddings().weight.shape[0]
-    stream = tokens.load_tokens(args.data, tokenizer, vocab, args.data_dtype, args.split, args.text_column, args.max_tokens)
+    stream = tokens.load_tokens(args.data, tokenizer, vocab, args.data_dtype, split=args.split,
+                                text_column=args.text_column, max_tokens=args.max_tokens)
     too_long = [n for n in lengths if n > len(stream)]
     if too_long:
         raise ValueError(f"--lengths {','.join(map(str, too_long))} longer than the {len(stream)} tokens of --data (lower it or add data)")
-    results = [ppl.evaluate_length(model, stream, n, args.stride, args.scoring, method, args.batch_size, args.num_windows)
+    results = [ppl.evaluate_length(model, stream, n, args.stride, scoring=args.scoring, method=method,
+                                   batch_size=args.batch_size, max_windows=args.num_windows)
                for n in lengths]
     label = _label(args)
-    _emit(args, model, label, report.ppl_table(results, label), results)
+    _emit(args, model, label, report.ppl_table(results, label), results=results)
     if args.plot:
         print(f"wrote {plots.plot_ppl([(label, results)], args.plot)}")
     return 0
 
 
-def _emit(args, model, label: str, table: str, results: list) -> None:
+def _emit(args, model, label: str, table: str, *, results: list) -> None:
     """The markdown table on stdout and, with --output, the results JSON with the full configuration."""
     from sparse_ft.evaluation import report
 
@@ -186,9 +189,9 @@ def run_passkey(args) -> int:
     method = _method(args)
     _check_outputs(args, "output", "heatmap")
     model, tokenizer = _load(args, method)
-    cells = passkey.evaluate(model, tokenizer, lengths, depths, args.trials, method, args.seed)
+    cells = passkey.evaluate(model, tokenizer, lengths, depths, trials=args.trials, method=method, seed=args.seed)
     label = _label(args)
-    _emit(args, model, label, report.passkey_table(cells), cells)
+    _emit(args, model, label, report.passkey_table(cells), results=cells)
     if args.heatmap:
         print(f"wrote {plots.plot_passkey(cells, args.heatmap, f'passkey retrieval: {label}')}")
     return 0

@@ -29,7 +29,7 @@ def default_device() -> str:
 
 
 def load(model: str, adapter: Optional[str] = None, dtype: str = "float32", load_in_4bit: bool = False,
-         load_in_8bit: bool = False, compute_dtype: str = "float32", trust_remote_code: bool = False,
+         *, load_in_8bit: bool = False, compute_dtype: str = "float32", trust_remote_code: bool = False,
          device: Optional[str] = None, tokenizer: bool = True):
     """Returns ``(model, tokenizer)`` in eval mode; with ``tokenizer=False`` the tokenizer is
     None (token files need none, and a model directory may hold none). The tokenizer loads
@@ -51,8 +51,9 @@ def load(model: str, adapter: Optional[str] = None, dtype: str = "float32", load
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
         if bits is not None:  # layer shapes do not depend on an adapter's RoPE: the base's config serves
-            kwargs["quantization_config"] = _quantization(config, bits, device, DTYPES[dtype], DTYPES[compute_dtype],
-                                                          trust_remote_code)
+            kwargs["quantization_config"] = _quantization(config, bits, device, DTYPES[dtype],
+                                                          compute_dtype=DTYPES[compute_dtype],
+                                                          trust_remote_code=trust_remote_code)
         if adapter is not None:
             # the adapter's RoPE goes into the config before the weights load; a foreign base fails by shape
             loaded = load_adapter_model(adapter, path, **kwargs)
@@ -68,11 +69,12 @@ def load(model: str, adapter: Optional[str] = None, dtype: str = "float32", load
     return loaded.eval(), tok
 
 
-def _quantization(config: Any, bits: int, device: str, dtype: torch.dtype, compute_dtype: torch.dtype,
+def _quantization(config: Any, bits: int, device: str, dtype: torch.dtype, *, compute_dtype: torch.dtype,
                   trust_remote_code: bool) -> Any:
     """The probe runs where the weights will go: ``auto`` places them on the GPU when there is one."""
     device = default_device() if device == "auto" else device
-    plan, refused = quantization.plan(config, bits, device, dtype, compute_dtype, trust_remote_code)
+    plan, refused = quantization.plan(config, bits, device, dtype, compute_dtype=compute_dtype,
+                                      trust_remote_code=trust_remote_code)
     if refused:
         print(quantization.describe(refused, bits, device, dtype), file=sys.stderr, flush=True)
     return plan

@@ -22,7 +22,8 @@ def retrieved(text: str, key: str) -> bool:
     return found is not None and found.group() == key
 
 
-def evaluate(model, tokenizer, lengths: list[int], depths: list[float], trials: int, method: Method, seed: int = 0) -> list[dict]:
+def evaluate(model, tokenizer, lengths: list[int], depths: list[float], *, trials: int, method: Method,
+             seed: int = 0) -> list[dict]:
     """One cell per (length, depth); every cell uses the same ``trials`` seeded keys, so cells
     differ only in length and depth."""
     rng = random.Random(seed)

@@ -17,13 +17,13 @@ from sparse_ft.evaluation.scoring import window_nll
 from sparse_ft.evaluation.windows import plan
 
 
-def evaluate_length(model, tokens: np.ndarray, length: int, stride: int, scoring: str, method: Method,
+def evaluate_length(model, tokens: np.ndarray, length: int, stride: int, *, scoring: str, method: Method,
                     batch_size: int = 1, max_windows: Optional[int] = None) -> dict:
     """``{"length", "ppl", "tokens" (scored), "windows", "seconds", "tokens_per_second"}``."""
     if length > len(tokens):
         raise ValueError(f"--lengths {length} is longer than the {len(tokens)} tokens of --data (lower it or add data)")
     method.apply(model, length)
-    windows = plan(len(tokens), length, stride, scoring, max_windows)
+    windows = plan(len(tokens), length, stride, scoring, max_windows=max_windows)
     device = next(model.parameters()).device
     nll_sum, count, window_means = 0.0, 0, []
     began = time.perf_counter()
@@ -36,7 +36,7 @@ def evaluate_length(model, tokens: np.ndarray, length: int, stride: int, scoring
             w0 = batch[0]
             inputs = torch.from_numpy(np.stack([np.asarray(tokens[w.begin : w.end], dtype=np.int64) for w in batch])).to(device)
             targets = torch.from_numpy(np.stack([np.asarray(tokens[w.first + 1 : w.last + 1], dtype=np.int64) for w in batch])).to(device)
-            nll = window_nll(model, inputs, targets, w0.first - w0.begin, w0.last - w0.begin)
+            nll = window_nll(model, inputs, targets, w0.first - w0.begin, last=w0.last - w0.begin)
             nll_sum += float(nll.sum(dtype=torch.float64))
             count += nll.numel()
             window_means.extend(nll.double().mean(dim=1).tolist())

@@ -17,7 +17,7 @@ def _backbone_and_head(model: torch.nn.Module):
 
 
 @torch.inference_mode()
-def window_nll(model: torch.nn.Module, input_ids: torch.Tensor, targets: torch.Tensor, first: int, last: int,
+def window_nll(model: torch.nn.Module, input_ids: torch.Tensor, targets: torch.Tensor, first: int, *, last: int,
                chunk: int = CHUNK) -> torch.Tensor:
     """Per-prediction NLL (fp32) of input positions ``[first, last)`` (relative to the window),
     whose targets are ``targets`` of shape ``(B, last - first)``."""

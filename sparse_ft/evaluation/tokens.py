@@ -37,7 +37,7 @@ def check_data(data: str) -> bool:
     return False
 
 
-def load_tokens(data: str, tokenizer, vocab_size: int, data_dtype: Optional[str] = None, split: str = "validation",
+def load_tokens(data: str, tokenizer, vocab_size: int, data_dtype: Optional[str] = None, *, split: str = "validation",
                 text_column: str = "text", max_tokens: Optional[int] = None) -> np.ndarray:
     """The evaluation tokens, checked against the model's vocabulary."""
     path = Path(data).expanduser()
@@ -49,7 +49,7 @@ def load_tokens(data: str, tokenizer, vocab_size: int, data_dtype: Optional[str]
             raise ValueError(f"--data {data} has {path.stat().st_size} bytes, not a whole number of {dtype} tokens")
         tokens = np.memmap(path, dtype=DTYPES[dtype], mode="r") if path.stat().st_size else np.zeros(0, np.uint16)
     else:
-        tokens = text_tokens(data, tokenizer, split, text_column, max_tokens)
+        tokens = text_tokens(data, tokenizer, split, text_column, max_tokens=max_tokens)
     if max_tokens is not None:
         tokens = tokens[:max_tokens]
     if len(tokens) == 0:
@@ -64,7 +64,7 @@ def load_tokens(data: str, tokenizer, vocab_size: int, data_dtype: Optional[str]
 
 
 def text_tokens(source: str, tokenizer, split: str = "validation", text_column: str = "text",
-                max_tokens: Optional[int] = None) -> np.ndarray:
+                *, max_tokens: Optional[int] = None) -> np.ndarray:
     """Tokenise ``source`` (a text file, jsonl/json/parquet file or directory, or an HF dataset
     id, streamed when only ``max_tokens`` are wanted) document by document, EOS between
     documents."""

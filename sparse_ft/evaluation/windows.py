@@ -35,7 +35,8 @@ class Window(NamedTuple):
         return self.last - self.first
 
 
-def plan(total: int, length: int, stride: int, scoring: str = "standard", max_windows: Optional[int] = None) -> list[Window]:
+def plan(total: int, length: int, stride: int, scoring: str = "standard", *,
+         max_windows: Optional[int] = None) -> list[Window]:
     if scoring not in SCORINGS:
         raise ValueError(f"--scoring {scoring!r} is unknown; allowed: {', '.join(SCORINGS)}")
     if length < 2 or stride < 1:

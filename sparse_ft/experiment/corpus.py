@@ -43,7 +43,7 @@ def is_validation(text: str, val_percent: float) -> bool:
 
 
 def build_corpus(output_dir: Path, tokenizer, context: int = 256, passkey_fraction: float = PASSKEY_FRACTION,
-                 val_percent: float = 5.0, seed: int = 0, modules: Optional[Iterable[str]] = None,
+                 *, val_percent: float = 5.0, seed: int = 0, modules: Optional[Iterable[str]] = None,
                  max_blocks: Optional[int] = None) -> dict:
     """Write train.bin, val.bin and corpus.json under ``output_dir``; return the manifest.
 

@@ -121,7 +121,7 @@ def loss_curve(history: list[dict], every: int) -> list[dict]:
 
 
 def train(cfg: PretrainConfig, blocks: np.ndarray, progress: bool = True, init_from: Optional[Path] = None,
-          source: str = "") -> tuple[torch.nn.Module, dict]:
+          *, source: str = "") -> tuple[torch.nn.Module, dict]:
     """Train on ``blocks`` (blocks, context) of token ids, read from ``source``, a fresh model,
     or continue from the checkpoint ``init_from`` (a second phase, e.g. on a passkey-richer
     corpus); returns (model, stats). The trainer's run directory (resolved recipe, log, last
@@ -152,13 +152,15 @@ def evaluate(model, tokenizer, val_tokens: np.ndarray, cfg: PretrainConfig) -> d
     from sparse_ft.evaluation import passkey, ppl
 
     full = methods.get("full")
-    result = ppl.evaluate_length(model, val_tokens, cfg.context, cfg.context, "standard", full, batch_size=8,
+    result = ppl.evaluate_length(model, val_tokens, cfg.context, cfg.context, scoring="standard", method=full,
+                                 batch_size=8,
                                  max_windows=cfg.eval_windows)
     out = {"val_ppl": result["ppl"], "val_tokens_scored": result["tokens"]}
     if cfg.passkey_trials:
         # at `context` the answer is decoded just past the window; at `context - 8` it lies inside
         lengths = [cfg.context - 8, cfg.context]
-        cells = passkey.evaluate(model, tokenizer, lengths, cfg.passkey_depths, cfg.passkey_trials, full, seed=cfg.seed)
+        cells = passkey.evaluate(model, tokenizer, lengths, cfg.passkey_depths, trials=cfg.passkey_trials, method=full,
+                                 seed=cfg.seed)
         out["passkey"] = cells
         out["passkey_accuracy"] = {n: sum(c["accuracy"] for c in cells if c["length"] == n) / len(cfg.passkey_depths)
                                    for n in lengths}
@@ -173,7 +175,7 @@ def machine() -> dict:
             "torch": torch.__version__}
 
 
-def save(model, tokenizer, stats: dict, output: Path, save_dtype: str, overwrite: bool = False) -> Path:
+def save(model, tokenizer, stats: dict, output: Path, *, save_dtype: str, overwrite: bool = False) -> Path:
     """Written to a temporary directory and renamed: an interrupted save leaves the old one."""
     from sparse_ft.modeling.dtypes import torch_dtype
     from sparse_ft.files.outputs import atomic_directory
@@ -186,8 +188,8 @@ def save(model, tokenizer, stats: dict, output: Path, save_dtype: str, overwrite
 
 
 def pretrain(cfg: PretrainConfig, corpus: Path = CORPUS_DIR, output: Path = ASSET_DIR, progress: bool = True,
-             init_from: Optional[Path] = None, passkey_fraction: Optional[float] = None, max_blocks: Optional[int] = None,
-             overwrite: bool = False) -> dict:
+             *, init_from: Optional[Path] = None, passkey_fraction: Optional[float] = None,
+             max_blocks: Optional[int] = None, overwrite: bool = False) -> dict:
     """Build the corpus if missing, train, evaluate, save; returns the stats written (with the
     stats of ``init_from``'s training under ``previous_phase``). ``output`` is checked first:
     apart from the inputs, and an earlier output of this command only with ``overwrite``."""
@@ -209,14 +211,14 @@ def pretrain(cfg: PretrainConfig, corpus: Path = CORPUS_DIR, output: Path = ASSE
         stats_file = Path(init_from) / STATS_FILE
         previous = json.loads(stats_file.read_text()) if stats_file.is_file() else {"checkpoint": str(init_from)}
     began = time.perf_counter()
-    model, stats = train(cfg, load_blocks(corpus), progress, init_from, str(corpus / "train.bin"))
+    model, stats = train(cfg, load_blocks(corpus), progress, init_from, source=str(corpus / "train.bin"))
     if previous is not None:
         stats["previous_phase"] = previous
     val = load_tokens(str(corpus / "val.bin"), tokenizer, model.config.vocab_size)
     stats["evaluation"] = evaluate(model, tokenizer, val, cfg)
     stats.update(config=asdict(cfg), corpus=json.loads((corpus / "corpus.json").read_text()), machine=machine(),
                  wall_seconds=time.perf_counter() - began, saved_dtype=cfg.save_dtype)
-    save(model, tokenizer, stats, output, cfg.save_dtype, overwrite)
+    save(model, tokenizer, stats, output, save_dtype=cfg.save_dtype, overwrite=overwrite)
     return stats
 
 

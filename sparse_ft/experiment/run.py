@@ -102,14 +102,16 @@ def _row_key(kind: str, settings: dict) -> str:
     return hashlib.sha256(json.dumps([kind, settings], sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def evaluate(model, tokenizer, method, val, context: int, ppl_lengths: list[int], passkey_lengths: list[int],
+def evaluate(model, tokenizer, method, val, *, context: int, ppl_lengths: list[int], passkey_lengths: list[int],
              cfg: ExperimentConfig) -> dict:
     from sparse_ft.evaluation import passkey, ppl
 
     out: dict[str, Any] = {"ppl": [], "passkey": []}
     if method.supports.ppl:
-        out["ppl"] = [ppl.evaluate_length(model, val, n, context, "standard", method, 1, cfg.ppl_windows) for n in ppl_lengths]
-    cells = passkey.evaluate(model, tokenizer, passkey_lengths, cfg.passkey_depths, cfg.passkey_trials, method, seed=0)
+        out["ppl"] = [ppl.evaluate_length(model, val, n, context, scoring="standard", method=method, batch_size=1,
+                                          max_windows=cfg.ppl_windows) for n in ppl_lengths]
+    cells = passkey.evaluate(model, tokenizer, passkey_lengths, cfg.passkey_depths, trials=cfg.passkey_trials,
+                             method=method, seed=0)
     out["passkey"] = [{k: c[k] for k in ("length", "depth", "accuracy", "trials", "outputs", "keys")} for c in cells]
     return out
 
@@ -213,11 +215,13 @@ class Runner:
         model, tokenizer = loading.load(self.cfg.base, summary["adapter"])
         ppl_lengths = [self.context * f for f in self.cfg.ppl_factors]
         passkey_lengths = [self.context * f for f in self.cfg.passkey_factors]
-        result = evaluate(model, tokenizer, methods.get("full"), val, self.context, ppl_lengths, passkey_lengths, self.cfg)
+        result = evaluate(model, tokenizer, methods.get("full"), val, context=self.context, ppl_lengths=ppl_lengths,
+                          passkey_lengths=passkey_lengths, cfg=self.cfg)
         # the same model through the pattern it was trained with: separates "learned the
         # longer context" from "carries over to full attention", which the papers assume
-        own = ppl.evaluate_length(model, val, self.target, self.context, "standard", methods.get(pattern), 1,
-                                  self.cfg.ppl_windows)
+        own = ppl.evaluate_length(model, val, self.target, self.context, scoring="standard",
+                                  method=methods.get(pattern), batch_size=1,
+                                  max_windows=self.cfg.ppl_windows)
         return self._write({"name": name, "kind": "fine-tuned", "pattern": pattern, "seed": seed, "key": key,
                             "train_seconds": train_seconds, "eval_seconds": time.perf_counter() - began,
                             "final_loss": summary["final_loss"], "loss_curve": [h["loss"] for h in summary["history"]],
@@ -236,7 +240,8 @@ class Runner:
         began = time.perf_counter()
         model, tokenizer = loading.load(self.cfg.base)
         lengths = [self.context * f for f in self.cfg.free_factors]
-        result = evaluate(model, tokenizer, method, val, self.context, lengths, lengths, self.cfg)
+        result = evaluate(model, tokenizer, method, val, context=self.context, ppl_lengths=lengths,
+                          passkey_lengths=lengths, cfg=self.cfg)
         return self._write({"name": label, "kind": "training-free", "method": name, "params": params, "key": key,
                             "eval_seconds": time.perf_counter() - began, **result})
 

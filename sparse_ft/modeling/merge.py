@@ -26,7 +26,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=main)
 
 
-def merge(adapter: str, output: Path, base: Optional[str] = None, dtype: str = "float32", trust_remote_code: bool = False,
+def merge(adapter: str, output: Path, base: Optional[str] = None, dtype: str = "float32", *,
+          trust_remote_code: bool = False,
           overwrite: bool = False) -> Path:
     from sparse_ft.modeling.dtypes import torch_dtype
     from sparse_ft.modeling.model_io import adapter_base, load_adapter_model, load_tokenizer, read_meta
@@ -45,6 +46,7 @@ def merge(adapter: str, output: Path, base: Optional[str] = None, dtype: str = "
 
 
 def main(args: argparse.Namespace) -> int:
-    out = merge(args.adapter, args.output, args.base, args.dtype, args.trust_remote_code, args.overwrite)
+    out = merge(args.adapter, args.output, args.base, args.dtype, trust_remote_code=args.trust_remote_code,
+                overwrite=args.overwrite)
     print(f"merged model written to {out}")
     return 0

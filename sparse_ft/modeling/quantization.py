@@ -32,7 +32,7 @@ def bnb_config(bits: int, compute_dtype: torch.dtype, skip: Optional[list[str]] 
                               bnb_4bit_compute_dtype=compute_dtype, llm_int8_skip_modules=skip)
 
 
-def plan(config: Any, bits: int, device: str, dtype: torch.dtype, compute_dtype: torch.dtype,
+def plan(config: Any, bits: int, device: str, dtype: torch.dtype, *, compute_dtype: torch.dtype,
          trust_remote_code: bool = False) -> tuple[Any, dict[str, str]]:
     """The ``BitsAndBytesConfig`` for ``config``'s model on ``device``, and the linear layers
     the installed bitsandbytes cannot quantise there (name -> bitsandbytes' error)."""
@@ -40,7 +40,7 @@ def plan(config: Any, bits: int, device: str, dtype: torch.dtype, compute_dtype:
     layers, defaults = _linear_layers(config, trust_remote_code)
     failed: dict[tuple[int, int, bool], str] = {}
     for shape in sorted(set(layers.values())):
-        error = _probe(bits, *shape, device, dtype, compute_dtype)
+        error = _probe(bits, *shape, device=device, dtype=dtype, compute_dtype=compute_dtype)
         if error is not None:
             failed[shape] = error
     refused = {name: failed[shape] for name, shape in layers.items() if shape in failed}
@@ -86,7 +86,7 @@ def _linear_layers(config: Any, trust_remote_code: bool) -> tuple[dict[str, tupl
     return layers, defaults
 
 
-def _probe(bits: int, in_features: int, out_features: int, bias: bool, device: str, dtype: torch.dtype,
+def _probe(bits: int, in_features: int, out_features: int, bias: bool, *, device: str, dtype: torch.dtype,
            compute_dtype: torch.dtype) -> Optional[str]:
     """None when bitsandbytes quantises a layer of this shape on ``device`` and runs an
     inference forward through it (where its CPU repacking happens), else its error's first line."""

@@ -18,7 +18,7 @@ from sparse_ft.modeling.model_io import META_FILE, SHAPE_KEYS
 from sparse_ft.files.outputs import atomic_directory
 
 
-def save_adapter(engine, directory: Path, recipe, base_path: str, tokenizer=None) -> Optional[Path]:
+def save_adapter(engine, directory: Path, recipe, base_path: str, *, tokenizer=None) -> Optional[Path]:
     """Collective under DeepSpeed; rank 0 writes. Atomic: a temporary directory renamed."""
     model = engine.module
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]

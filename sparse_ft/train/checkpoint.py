@@ -104,7 +104,7 @@ def verify(path: Path) -> dict:
     return record
 
 
-def save_checkpoint(engine: Engine, output_dir: Path, step: int, meta: dict, keep: int) -> Optional[Path]:
+def save_checkpoint(engine: Engine, output_dir: Path, step: int, meta: dict, *, keep: int) -> Optional[Path]:
     """Collective: every rank calls it. Returns the final directory on rank 0; raises
     :class:`CheckpointWriteError` when a file cannot be written."""
     final = directory(output_dir, step)

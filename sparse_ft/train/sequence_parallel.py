@@ -75,7 +75,7 @@ def shard_batches(rows: Callable[[int], dict], first_micro: int, device: torch.d
 class UlyssesEngine(DeepSpeedEngine):
     """DeepSpeed with the SP groups, and the loss of a sequence split over an SP group."""
 
-    def __init__(self, model: torch.nn.Module, recipe: Recipe, total_steps: int, ds_config: dict, mpu: Any) -> None:
+    def __init__(self, model: torch.nn.Module, recipe: Recipe, total_steps: int, ds_config: dict, *, mpu: Any) -> None:
         self.mpu = mpu
         super().__init__(model, recipe, total_steps, ds_config)
 

@@ -39,7 +39,7 @@ class DataOrder:
     permutation. Position alone determines the batch, so a resume skips nothing and repeats
     nothing."""
 
-    def __init__(self, size: int, batch: int, world: int, rank: int, seed: int) -> None:
+    def __init__(self, size: int, batch: int, world: int, rank: int, *, seed: int) -> None:
         self.size, self.batch, self.world, self.rank, self.seed = size, batch, world, rank, seed
         self.per_epoch = size // (batch * world)
         if self.per_epoch == 0:
@@ -186,7 +186,8 @@ class Trainer:
         self.barrier()
         if self.rank != 0:
             self.dataset = self.load_dataset()
-        self.order = DataOrder(len(self.dataset), recipe.train.per_device_batch_size, self.world, self.rank, recipe.train.seed)
+        self.order = DataOrder(len(self.dataset), recipe.train.per_device_batch_size, self.world, self.rank,
+                               seed=recipe.train.seed)
         self.steps = total_steps(recipe, self.order)
 
     def load_dataset(self) -> torch.utils.data.Dataset:
@@ -212,7 +213,8 @@ class Trainer:
     def setup_engine(self) -> None:
         """The optimizer and schedule, through DeepSpeed when the recipe names a config."""
         if self.mpu is not None:
-            self.engine: Engine = sequence_parallel.UlyssesEngine(self.model, self.recipe, self.steps, self.ds_config, self.mpu)
+            self.engine: Engine = sequence_parallel.UlyssesEngine(self.model, self.recipe, self.steps, self.ds_config,
+                                                                  mpu=self.mpu)
         elif self.use_deepspeed:
             self.engine = DeepSpeedEngine(self.model, self.recipe, self.steps, self.ds_config)
         else:
@@ -288,12 +290,12 @@ class Trainer:
         micro = step * self.recipe.train.gradient_accumulation_steps
         position = {"samples": len(self.dataset), "micro_batches": micro, "epoch": micro // micro_per_epoch(self.recipe, self.order)}
         meta = {"history": self.history, "recipe": self.recipe.name, "data": position, "fingerprint": self.fingerprint}
-        checkpoint.save_checkpoint(self.engine, self.out, step, meta, self.recipe.train.save_total_limit)
+        checkpoint.save_checkpoint(self.engine, self.out, step, meta, keep=self.recipe.train.save_total_limit)
 
     def save(self) -> dict:
         """The probe logits, the adapter and the summary."""
         write_probe(self.engine, self.dataset[0]["input_ids"][:128], self.device, self.out / "adapter_probe.safetensors")
-        adapter_dir = save_adapter(self.engine, self.out / "adapter", self.recipe, self.base, self.tokenizer)
+        adapter_dir = save_adapter(self.engine, self.out / "adapter", self.recipe, self.base, tokenizer=self.tokenizer)
         summary = self.summary({"adapter": str(adapter_dir)})
         if self.rank == 0:
             print(f"adapter saved to {adapter_dir}", flush=True)
