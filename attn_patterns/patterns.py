@@ -220,7 +220,9 @@ class Dilated(_Builtin):
         groups = h // k.shape[1]
         out = causal_attention(pick(q, heads), pick(k, heads // groups), pick(v, heads // groups), backend)
         index = column.view(1, h, 1, 1, 1).expand(b, h, m, 1, d)
-        spread = torch.zeros(b, h, m, step, d, dtype=q.dtype, device=q.device).scatter(3, index, out.unsqueeze(3))
+        # in the kernel's dtype, not q's: under autocast the model hands q (and k) in fp32 (RoPE
+        # over fp32 masters) and v in half precision, and the kernel answers in half precision
+        spread = out.new_zeros(b, h, m, step, d).scatter(3, index, out.unsqueeze(3))
         return spread.view(b, h, m * step, d)[:, :, :n]
 
 

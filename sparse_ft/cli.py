@@ -11,10 +11,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import shlex
+import signal
 import sys
 from typing import Optional
 
 from sparse_ft import __version__
+from sparse_ft.train.stopping import RunStopped
 
 COMMANDS = {
     "train": "sparse_ft.train.cli",
@@ -59,12 +61,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    """The command's exit code; a ValueError or missing file is one line on stderr and exit 2."""
+    """The command's exit code; a ValueError or missing file is one line on stderr and exit 2;
+    a training run that stopped on purpose (a stop signal, a divergence) is its one line and
+    its own code (``sparse_ft.train.stopping``), Ctrl-C anywhere else one line and 130."""
     try:
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError) as err:
         print(f"{args.prog}: error: {err}", file=sys.stderr)
         return 2
+    except RunStopped as stop:
+        if stop.announce:
+            print(f"{args.prog}: {stop}", file=sys.stderr, flush=True)
+        return stop.exit_code
+    except KeyboardInterrupt:  # Ctrl-C where no run catches it (a training run does): nothing was in progress to save
+        print(f"{args.prog}: interrupted by SIGINT", file=sys.stderr)
+        return 128 + signal.SIGINT
 
 
 def parse(parser: argparse.ArgumentParser, argv: Optional[list[str]]) -> argparse.Namespace:

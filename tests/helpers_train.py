@@ -1,8 +1,8 @@
 """What the training tests share: the tiny recipe's overrides, one uninterrupted reference run
 to compare loss curves with, the adapter check, train.py run in this process or as a child,
-and a child that SIGKILLs itself in the middle of writing a checkpoint.
+and a child that pauses in the middle of writing a checkpoint, then SIGKILLs itself or goes on.
 
-Run as a script it is that child: ``python tests/helpers_train.py POINT GATE recipe=...``."""
+Run as a script it is that child: ``python tests/helpers_train.py THEN POINT GATE recipe=...``."""
 
 import hashlib
 import json
@@ -78,8 +78,9 @@ def train_py(*argv: str) -> int:
         sys.argv = saved
 
 
-def start(argv: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+def start(argv: list[str], stderr=subprocess.DEVNULL) -> subprocess.Popen:
+    """A child Python; its stderr where ``stderr`` says (a file: a pipe nobody reads may fill)."""
+    return subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=stderr,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
@@ -95,32 +96,40 @@ def start_killed_during_save(point: str, gate: Path, argv: list[str]) -> subproc
     ``gate`` and SIGKILLs itself: halfway through writing the file whose path ends with
     ``point`` (e.g. ``checkpoint-6.tmp/meta.json``), or, for a ``checkpoint-N`` name, right
     after it is renamed into place, before older ones are pruned."""
-    return start([str(Path(__file__).resolve()), point, str(gate), *argv])
+    return start_paused_in_save("kill", point, gate, argv)
 
 
-def _kill_during_save(point: str, gate: Path) -> None:
+def start_paused_in_save(then: str, point: str, gate: Path, argv: list[str], *, stderr=subprocess.DEVNULL) -> subprocess.Popen:
+    """As :func:`start_killed_during_save`; once ``gate`` exists the child SIGKILLs itself
+    (``then="kill"``) or, paused at a ``checkpoint-N`` point, carries on (``"continue"``: a
+    signal sent while it waited lands at a known point of the run)."""
+    return start([str(Path(__file__).resolve()), then, point, str(gate), *argv], stderr=stderr)
+
+
+def _pause_during_save(then: str, point: str, gate: Path) -> None:
     from sparse_ft.train import checkpoint
 
-    def die() -> None:
+    def pause() -> None:
         gate.with_suffix(".waiting").touch()
         while not gate.exists():
             time.sleep(0.01)
-        os.kill(os.getpid(), signal.SIGKILL)
+        if then == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
 
     write_bytes, fsync_dir = checkpoint.write_synced, checkpoint.fsync_dir
 
     def half_write(path: Path, data: bytes) -> None:
         if str(path).endswith(point):
             write_bytes(path, data[: len(data) // 2])
-            die()
+            pause()
         write_bytes(path, data)
 
-    def fsync_then_die(path: Path) -> None:
+    def fsync_then_pause(path: Path) -> None:
         fsync_dir(path)
         if (path / point).is_dir():
-            die()
+            pause()
 
-    checkpoint.write_synced, checkpoint.fsync_dir = half_write, fsync_then_die
+    checkpoint.write_synced, checkpoint.fsync_dir = half_write, fsync_then_pause
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -153,6 +162,6 @@ def reference(tmp_path_factory, common):
 
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
-    _kill_during_save(sys.argv[1], Path(sys.argv[2]))
-    sys.argv = ["train.py", *sys.argv[3:]]
+    _pause_during_save(sys.argv[1], sys.argv[2], Path(sys.argv[3]))
+    sys.argv = ["train.py", *sys.argv[4:]]
     runpy.run_path(str(ROOT / "train.py"), run_name="__main__")

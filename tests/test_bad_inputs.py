@@ -35,6 +35,20 @@ CASES = {
     "save_total_limit negative": (
         ["train.save_total_limit=-3"], None,
         r"recipe key train.save_total_limit=-3 is invalid: must be >= 1 \(checkpoints kept\), or 0 to keep every checkpoint"),
+    "save_minutes negative": (
+        ["train.save_minutes=-5"], None,
+        r"recipe key train.save_minutes=-5.0 is invalid: must be > 0 \(minutes between checkpoints by the clock\), or 0 for none"),
+    "learning rate infinite": (
+        ["train.lr=.inf"], None, r"recipe key train.lr=inf is invalid: must be a finite number \(not .inf or .nan\)$"),
+    "gradient clipping nan": (
+        ["train.max_grad_norm=.nan"], None, r"recipe key train.max_grad_norm=nan is invalid: must be a finite number"),
+    "learning rate inf as a word": (["train.lr=inf"], None, r"recipe key train.lr=inf is invalid: must be a finite number"),
+    "a beta nan": (["train.betas=[0.9,.nan]"], None, r"recipe key train.betas\[1\]=nan is invalid: must be a finite number"),
+    "save_minutes infinite": (["train.save_minutes=.inf"], None, r"recipe key train.save_minutes=inf is invalid: must be a finite number"),
+    "a pattern parameter infinite": (
+        ["attention.params={chunks: .inf}"], None, r"recipe key attention.params.chunks=inf is invalid: must be a finite number"),
+    "a tiny model number nan": (
+        ["model.tiny.rms_norm_eps=.nan"], None, r"recipe key model.tiny.rms_norm_eps=nan is invalid: must be a finite number"),
     "output_dir is a file": (
         ["train.output_dir=DATA"], jsonl(TINY_LINE + "\n"),
         r"recipe key train.output_dir='.*docs.jsonl' is invalid: a directory .*; this is a file"),

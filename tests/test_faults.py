@@ -1,23 +1,31 @@
-"""Faults a training run meets, each injected on purpose: SIGKILL in the middle of a save, a
-corrupt latest checkpoint, a full disk, a second run in the same directory, a stale lock, a
-fresh run over an old one, a resume with the recipe changed. Every case asserts that nothing
-the user had is lost and, where the run resumes, that its loss curve is the uninterrupted one.
-(The two-process DeepSpeed fallback from a corrupt checkpoint is in test_train_deepspeed.py.)"""
+"""Faults a training run meets, each injected on purpose: SIGKILL in the middle of a save,
+SIGTERM / SIGINT (preemption), a corrupt latest checkpoint, a full disk, a second run in the
+same directory, a stale lock, a fresh run over an old one, a resume with the recipe changed,
+a loss, gradient or weight gone non-finite. Every case asserts that nothing the user had is
+lost and, where the run resumes, that its loss curve is the uninterrupted one. (The
+two-process DeepSpeed cases, a corrupt checkpoint and a signal to one rank, are in
+test_train_deepspeed.py.)"""
 
 import errno
+import functools
+import itertools
 import json
 import os
 import shutil
 import signal
 import socket
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from helpers_train import (common, curve, losses, one_thread, reference, snapshot, start, start_killed_during_save,  # noqa: F401
-                           train_py, wait_for)
+                           start_paused_in_save, train_py, wait_for)
 from sparse_ft.config import load_recipe
-from sparse_ft.train import checkpoint
+from sparse_ft.train import checkpoint, stopping
+from sparse_ft.train.deepspeed import DeepSpeedEngine
+from sparse_ft.train.engine import Engine
 from sparse_ft.train.checkpoint import complete_checkpoints, verify
 from sparse_ft.files.outputs import RUN_LOCK as LOCK, RunLock
 from sparse_ft.train.checkpoint import claim_checkpoints
@@ -225,3 +233,143 @@ def test_a_change_the_recipe_allows_resumes(tmp_path, common, reference, capsys)
 def test_the_new_keys_are_checked_when_the_recipe_loads(extra, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
         load_recipe("tiny", ["deepspeed=null", *extra])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_finishes_the_step_saves_and_resumes_exactly(tmp_path, common, reference, signum):
+    """The signal reaches a real train.py while it writes checkpoint 4 (paused right after the
+    rename): step 5 runs to its end, checkpoint-5 is written, the lock released, one line
+    printed, exit 128 + the signal; the relaunch resumes to the uninterrupted loss curve."""
+    out, gate, err = tmp_path / "run", tmp_path / "gate", tmp_path / "stderr"
+    with open(err, "w") as stderr:
+        proc = start_paused_in_save("continue", "checkpoint-4", gate, run_in(out, common), stderr=stderr)
+        wait_for(gate.with_suffix(".waiting"), proc)
+        proc.send_signal(signum)
+        gate.touch()
+        proc.wait(timeout=120)
+    printed = err.read_text()
+    assert proc.returncode == 128 + signum, printed[-3000:]
+    name = signal.Signals(signum).name
+    assert [line for line in printed.splitlines() if line.startswith("train.py: ")] == [
+        f"train.py: preempted by {name} at step 5: saved checkpoint-5; resume with the same command"]
+    assert "Traceback" not in printed and "KeyboardInterrupt" not in printed
+    assert complete_checkpoints(out) == [2, 4, 5] and not (out / LOCK).exists() and not (out / "adapter").exists()
+    verify(out / "checkpoint-5")
+    assert checkpoint.read_meta(out / "checkpoint-5")["optimizer_steps"] == 5
+    resumed = resume(out, common)
+    assert curve(resumed) == curve(reference[1]) and losses(out) == losses(reference[0])
+    assert complete_checkpoints(out) == [2, 4, 5, 6, 8]
+
+
+@pytest.mark.slow
+def test_save_minutes_adds_checkpoints_by_the_clock(tmp_path, common, reference, monkeypatch):
+    """A clock that moves 25 s per reading against train.save_minutes=1: due at the third
+    reading after each save, so checkpoints land at steps 3 and 6 (and the last, 8), none from
+    train.save_steps; the training itself is the uninterrupted one."""
+    clock = itertools.count(step=25)
+    monkeypatch.setattr(stopping, "monotonic", lambda: next(clock))
+    out = tmp_path / "run"
+    summary = resume(out, common, "train.save_minutes=1", "train.save_steps=1000")
+    assert complete_checkpoints(out) == [3, 6, 8]
+    assert curve(summary) == curve(reference[1])
+
+
+def nan_loss_from_step(step: int, accum: int = 2):
+    """``Engine.micro_step`` whose forward gives nan logits (so a nan loss, nan gradients and,
+    were it applied, nan weights) from the first micro-batch of optimizer step ``step`` on."""
+    calls, real = itertools.count(1), Engine.micro_step
+
+    def micro_step(self, batch):
+        if next(calls) <= (step - 1) * accum:
+            return real(self, batch)
+        handle = self.module.get_output_embeddings().register_forward_hook(lambda module, args, out: out * float("nan"))
+        try:
+            return real(self, batch)
+        finally:
+            handle.remove()
+
+    return micro_step
+
+
+def inf_gradients_from_step(step: int, accum: int = 2):
+    """``Engine.micro_step`` that leaves an inf in a gradient at the end of optimizer step
+    ``step`` and every later one: what fp16's scaled gradients do when they overflow."""
+    calls, real = itertools.count(1), Engine.micro_step
+
+    def micro_step(self, batch):
+        loss = real(self, batch)
+        if next(calls) >= step * accum:
+            next(p for p in self.module.parameters() if p.requires_grad).grad.view(-1)[0] = float("inf")
+        return loss
+
+    return micro_step
+
+
+@pytest.mark.slow
+def test_a_nan_loss_stops_the_run_keeping_the_last_good_checkpoint(tmp_path, common, reference, monkeypatch, capsys):
+    out = tmp_path / "run"
+    monkeypatch.setattr(Engine, "micro_step", nan_loss_from_step(5))
+    assert train_py(*run_in(out, common)) == 1
+    line = one_error_line(capsys.readouterr().err)
+    assert line == (f"train.py: error: step 5: the loss is nan: training diverged; kept {out / 'checkpoint-4'} (the last good one), "
+                    "saved no adapter; lower train.lr or look at the data")
+    assert complete_checkpoints(out) == [2, 4] and not list(out.glob("checkpoint-*.tmp"))
+    assert not (out / "adapter").exists() and not (out / LOCK).exists()
+    assert losses(out) == losses(reference[0])[:4]  # the nan step is not logged
+    for name in ("trainable.safetensors", "optimizer.safetensors"):
+        assert (out / "checkpoint-4" / name).read_bytes() == (reference[0] / "checkpoint-4" / name).read_bytes()
+
+
+@pytest.mark.slow
+def test_an_update_to_non_finite_weights_is_never_checkpointed(tmp_path, common, monkeypatch, capsys):
+    """Finite loss and gradient norm, but the update of step 4 leaves an inf in a weight (an
+    exploding lr would): checkpoint 4 is refused before a byte is written."""
+    out = tmp_path / "run"
+    real = Engine.optimizer_step
+
+    def optimizer_step(self):
+        norm = real(self)
+        if self.get_steps() == 4:
+            with torch.no_grad():
+                next(p for p in self.module.parameters() if p.requires_grad).view(-1)[0] = float("inf")
+        return norm
+
+    monkeypatch.setattr(Engine, "optimizer_step", optimizer_step)
+    assert train_py(*run_in(out, common)) == 1
+    line = one_error_line(capsys.readouterr().err)
+    assert line.startswith("train.py: error: step 4: its update left non-finite values in base_model.model.")
+    assert line.endswith(f": training diverged; kept {out / 'checkpoint-2'} (the last good one), saved no adapter; "
+                         "lower train.lr or look at the data")
+    assert complete_checkpoints(out) == [2] and not list(out.glob("checkpoint-4*")) and not (out / "adapter").exists()
+
+
+@pytest.mark.slow
+def test_fp16_overflow_steps_are_skipped_until_the_loss_scale_falls_below_1(tmp_path, common, monkeypatch, capsys):
+    """Plain-torch fp16 from a loss scale of 2: step 3's overflow is the loss scaler's to skip
+    (scale 2 -> 1, logged with grad_norm inf); step 4's would need a scale below 1, so the
+    gradients overflow unscaled: the run stops there."""
+    out = tmp_path / "run"
+    monkeypatch.setattr(torch.amp, "GradScaler", functools.partial(torch.amp.GradScaler, init_scale=2.0))
+    monkeypatch.setattr(Engine, "micro_step", inf_gradients_from_step(3))
+    assert train_py(*run_in(out, common, "model.dtype=float16")) == 1
+    line = one_error_line(capsys.readouterr().err)
+    assert line.startswith(f"train.py: error: step 4: the gradient norm is inf: training diverged; kept {out / 'checkpoint-2'} ")
+    log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert [r["grad_norm"] == float("inf") for r in log] == [False, False, True]
+    assert complete_checkpoints(out) == [2] and not (out / "adapter").exists()
+
+
+@pytest.mark.parametrize("fp16, applied, norm, expected", [
+    (True, False, float("inf"), True),    # fp16's loss scaler skipped an overflow: DeepSpeed's to handle
+    (False, False, float("inf"), False),  # bf16/fp32: DeepSpeed skipped a non-finite gradient: a divergence
+    (True, True, float("nan"), False),
+    (False, True, None, True),            # ZeRO-1/2 compute_grad_norm=false: no norm to judge
+])
+def test_deepspeed_fp16_overflow_steps_are_not_a_divergence(fp16, applied, norm, expected):
+    """DeepSpeed (0.19: zero/stage3.py, stage_1_and_2.py) skips every step whose gradient norm
+    is not finite, reports the norm as inf and ``was_step_applied() == False``; only fp16's
+    are the loss scaler's overflows, which it bounds itself at min_loss_scale."""
+    engine = DeepSpeedEngine.__new__(DeepSpeedEngine)
+    engine.engine = SimpleNamespace(fp16_enabled=lambda: fp16, was_step_applied=lambda: applied, get_global_grad_norm=lambda: norm)
+    assert engine.non_finite_norm_expected() is expected

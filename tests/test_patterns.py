@@ -67,6 +67,23 @@ def test_low_precision_close_to_fp32_reference(name, params, dtype, tol):
 
 
 @pytest.mark.parametrize("name,params", PATTERNS, ids=IDS)
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 3e-2), (torch.float16, 3e-3)])
+def test_under_autocast_with_the_inputs_a_half_precision_model_gives(name, params, dtype, tol):
+    """Training without DeepSpeed runs the forward under autocast over fp32 masters: RoPE hands
+    q and k over in fp32 (the hidden states are), v comes from a projection in half precision,
+    and the kernel answers in half precision. (sda once scattered that answer into a tensor of
+    q's dtype and crashed; so did longmixed, which holds sda heads.)"""
+    pattern = attn_patterns.get(name, **params)
+    q, k, v = qkv(37, 2, dtype=torch.float32, dim=32)
+    v = v.to(dtype)
+    with torch.autocast("cpu", dtype=dtype):
+        out = pattern(q, k, v)
+    assert torch.isfinite(out).all()
+    ref = dense_attention(q.to(dtype).float(), k.to(dtype).float(), v.float(), pattern.mask(37, H))
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("name,params", PATTERNS, ids=IDS)
 def test_future_tokens_never_leak(name, params):
     """Perturb keys/values after position t: no output at or before t may change, in any head
     (rolled keys wrapping around the sequence end would show up here)."""

@@ -1,9 +1,10 @@
 """The single-process training path for real: a plain-torch run of the tiny recipe, a run killed
 by SIGKILL and one that crashes mid-save, both resumed to the uninterrupted loss curve, half
-precision over fp32 masters, and the merged model. The two-process DeepSpeed run is in
+precision over fp32 masters (every trainable pattern in bf16 and fp16), and the merged model. The two-process DeepSpeed run is in
 test_train_deepspeed.py; faults of every kind in test_faults.py."""
 
 import json
+import math
 import os
 import runpy
 import shutil
@@ -16,6 +17,7 @@ from safetensors.torch import load_file
 
 from helpers_train import (ROOT, STEPS, SimulatedCrash, assert_adapter_reproduces_probe, common, curve, losses,  # noqa: F401
                            one_thread, reference, start, wait_for)
+from sparse_ft import methods
 from sparse_ft.config import load_recipe
 from sparse_ft.modeling.model_io import load_adapter_model
 from sparse_ft.train import checkpoint
@@ -123,6 +125,20 @@ def test_half_precision_without_deepspeed_trains_the_norms_in_fp32_masters(tmp_p
     resumed.mkdir()
     shutil.copytree(out / "checkpoint-2", resumed / "checkpoint-2")
     assert curve(train(load_recipe("tiny", [*run, f"train.output_dir={resumed}"]))) == curve(summary)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("pattern", methods.names(lambda supports: supports.training))
+def test_every_trainable_pattern_trains_in_half_precision_without_deepspeed(tmp_path, common, pattern, dtype):
+    """Autocast over fp32 masters hands a pattern inputs of two dtypes (test_patterns checks
+    each against the dense reference so); here the whole run: two steps, finite numbers, the
+    adapter reproducing the trained logits."""
+    summary = train(load_recipe("tiny", [*common, f"train.output_dir={tmp_path}", f"model.dtype={dtype}",
+                                         f"attention.pattern={pattern}", "train.max_steps=2", "train.gradient_accumulation_steps=1"]))
+    assert len(summary["history"]) == 2
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in summary["history"])
+    assert load_adapter_model(tmp_path / "adapter") is not None and (tmp_path / "adapter_probe.safetensors").is_file()
 
 
 def test_plain_torch_refuses_a_multi_process_launch(monkeypatch):

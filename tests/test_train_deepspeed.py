@@ -4,17 +4,23 @@ parameter; saving without gathering writes empty tensors), reloads with
 PeftModel.from_pretrained to the logits the trained model had, and a relaunch, finding the
 final checkpoint damaged, resumes from the previous one to the same losses; the same with
 ZeRO-3 offloading parameters and optimizer to the CPU (DeepSpeedCPUAdam, built by DeepSpeed on
-first use)."""
+first use); and SIGTERM sent to one rank only, which every rank acts on at the same step."""
 
 import json
+import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from helpers_train import assert_adapter_reproduces_probe, losses, overrides
+from sparse_ft.files.outputs import RUN_LOCK
+from sparse_ft.train import checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -26,26 +32,36 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch(out: Path, cache: Path, *extra: str, gpus: int = 2) -> subprocess.CompletedProcess:
+def command(out: Path, cache: Path, *extra: str, gpus: int = 2) -> list[str]:
     """``deepspeed --num_gpus GPUS train.py recipe=tiny ...``: CPU ranks on gloo without CUDA."""
     launcher = Path(sys.executable).parent / "deepspeed"
-    argv = [str(launcher), "--num_gpus", str(gpus), "--master_port", str(free_port()), "train.py", "recipe=tiny", "attention.pattern=scca_flow",
+    return [str(launcher), "--num_gpus", str(gpus), "--master_port", str(free_port()), "train.py", "recipe=tiny", "attention.pattern=scca_flow",
             "train.max_steps=4", "train.save_steps=2", *overrides(out, cache), *extra]
-    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=900)
+
+
+def launch(out: Path, cache: Path, *extra: str, gpus: int = 2) -> subprocess.CompletedProcess:
+    done = subprocess.run(command(out, cache, *extra, gpus=gpus), cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done
 
 
-@pytest.mark.slow
-def test_two_process_deepspeed_zero3_on_cpu_saves_a_complete_adapter_and_resumes(tmp_path):
-    out, cache = tmp_path / "ds", tmp_path / "cache"
+@pytest.fixture(scope="module")
+def zero3(tmp_path_factory):
+    """One uninterrupted two-process ZeRO-3 run: its directory, token cache and losses."""
+    root = tmp_path_factory.mktemp("zero3")
+    out, cache = root / "ds", root / "cache"
     launch(out, cache)
+    return out, cache, losses(out)
+
+
+@pytest.mark.slow
+def test_two_process_deepspeed_zero3_on_cpu_saves_a_complete_adapter_and_resumes(zero3):
+    out, cache, first = zero3
     summary = json.loads((out / "train_summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 4
     meta = assert_adapter_reproduces_probe(out)
     assert meta["train_attention"]["pattern"] == "scca_flow"
     assert meta["rope_parameters"]["factor"] == 2.0 and meta["max_position_embeddings"] == 512
-    first = losses(out)
     assert len(first) == 4
 
     # relaunch into the same directory: the final checkpoint-4 truncated (rank 0 names it and
@@ -61,6 +77,36 @@ def test_two_process_deepspeed_zero3_on_cpu_saves_a_complete_adapter_and_resumes
     assert f"resumed from {out / 'checkpoint-2'} at step 2" in done.stdout
     assert losses(out) == pytest.approx(first, abs=1e-5)
     assert_adapter_reproduces_probe(out)
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step_and_resumes(tmp_path, zero3):
+    """Slurm signals every process; a launcher or a node's own kill may reach one rank only.
+    Rank 1 alone gets SIGTERM once step 1 is logged: the ranks agree (an all-reduce per step)
+    and stop after the same step, which is saved with both ranks' RNG; rank 0 prints one line;
+    the ranks exit 143 and the launcher passes it on. The relaunch resumes to the
+    uninterrupted run's losses."""
+    out, log = tmp_path / "ds", tmp_path / "output"
+    with open(log, "w") as output:
+        proc = subprocess.Popen(command(out, zero3[1]), cwd=ROOT, stdout=output, stderr=subprocess.STDOUT)
+        while not ((out / "log.jsonl").is_file() and (out / "log.jsonl").read_text()):
+            assert proc.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.05)
+        (rank1,) = [p for p in psutil.Process(proc.pid).children(recursive=True) if "--local_rank=1" in p.cmdline()]
+        rank1.send_signal(signal.SIGTERM)
+        proc.wait(timeout=900)
+    printed = log.read_text()
+    assert proc.returncode == 143, printed[-3000:]
+    (line,) = [line for line in printed.splitlines() if line.startswith("train.py: ")]
+    stopped = re.fullmatch(r"train\.py: preempted by SIGTERM at step (\d+): saved checkpoint-\1; resume with the same command", line)
+    assert stopped and 2 <= int(stopped[1]) <= 4, line
+    step = int(stopped[1])
+    saved = out / f"checkpoint-{step}"
+    assert checkpoint.verify(saved)["world_size"] == 2 and (saved / checkpoint.rng_file(1)).is_file()
+    assert not (out / RUN_LOCK).exists() and not (out / "adapter").exists() and "Traceback" not in printed
+    done = launch(out, zero3[1])
+    assert f"resumed from {saved} at step {step}" in done.stdout
+    assert losses(out) == pytest.approx(zero3[2], abs=1e-5)
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ what is allowed, before any model is loaded."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn, Optional
@@ -76,6 +77,7 @@ class TrainSection:
     max_grad_norm: float = 1.0
     seed: int = 42
     save_steps: int = 1000
+    save_minutes: float = 0.0  # also a checkpoint once this many minutes passed since the last; 0: off
     save_total_limit: int = 2
     log_steps: int = 1
     resume: str = "auto"  # auto | never | a checkpoint directory
@@ -147,6 +149,7 @@ def validate(recipe: Recipe) -> None:
     """All of a typed recipe's checks; the first that fails raises. The recipe stays data:
     ``attention.backend: auto`` stays ``auto`` until the trainer resolves it on the machine
     that trains."""
+    _check_finite(recipe.to_dict(), "")
     flat = _flatten(recipe.to_dict())
     for key, allowed in CHOICES.items():
         if flat[key] not in allowed:
@@ -168,6 +171,8 @@ def validate(recipe: Recipe) -> None:
         fail("train.max_grad_norm", train.max_grad_norm, "must be > 0 (gradients are clipped to this norm)")
     if train.save_total_limit < 0:
         fail("train.save_total_limit", train.save_total_limit, "must be >= 1 (checkpoints kept), or 0 to keep every checkpoint")
+    if train.save_minutes < 0:
+        fail("train.save_minutes", train.save_minutes, "must be > 0 (minutes between checkpoints by the clock), or 0 for none")
     if len(train.betas) != 2 or not all(0 <= b < 1 for b in train.betas):
         fail("train.betas", train.betas, "two numbers in [0, 1)")
     for reporter in train.report_to:
@@ -184,6 +189,20 @@ def validate(recipe: Recipe) -> None:
     _check_sequence_parallel(recipe)
     if recipe.deepspeed is not None:
         _check_deepspeed(recipe, read_deepspeed_config(recipe.deepspeed))
+
+
+def _check_finite(value: Any, key: str) -> None:
+    """No number anywhere in the recipe (nested ones in attention.params, model.tiny and lists
+    included) may be inf or nan: every comparison with nan is false, so range checks let it
+    through, and ``train.lr=.inf`` trained an all-NaN adapter."""
+    if isinstance(value, dict):
+        for name, item in value.items():
+            _check_finite(item, f"{key}.{name}" if key else str(name))
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            _check_finite(item, f"{key}[{index}]")
+    elif isinstance(value, float) and not math.isfinite(value):
+        fail(key, value, "must be a finite number (not .inf or .nan)")
 
 
 def _check_output_dir(train: TrainSection) -> None:

@@ -43,6 +43,11 @@ class CheckpointWriteError(OSError):
     """A checkpoint that could not be written (a full disk): the earlier ones are intact."""
 
 
+class NonFiniteWeights(ValueError):
+    """Trainable weights holding inf or nan: no checkpoint is written from them (an update
+    that diverged would otherwise become the checkpoint a resume and the adapter start from)."""
+
+
 def trainable(engine: Engine) -> list[tuple[str, torch.nn.Parameter]]:
     return [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
 
@@ -106,7 +111,8 @@ def verify(path: Path) -> dict:
 
 def save_checkpoint(engine: Engine, output_dir: Path, step: int, meta: dict, *, keep: int) -> Optional[Path]:
     """Collective: every rank calls it. Returns the final directory on rank 0; raises
-    :class:`CheckpointWriteError` when a file cannot be written."""
+    :class:`CheckpointWriteError` when a file cannot be written and :class:`NonFiniteWeights`,
+    before anything is written, when a trainable weight is not finite."""
     final = directory(output_dir, step)
     tmp = final.with_name(final.name + ".tmp")
     try:
@@ -134,11 +140,8 @@ def save_checkpoint(engine: Engine, output_dir: Path, step: int, meta: dict, *, 
 
 
 def _write_parts(engine: Engine, tmp: Path) -> None:
-    """Each rank's RNG; on rank 0 the full trainable tensors and Adam's moments."""
-    if engine.rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    engine.barrier()
+    """Each rank's RNG; on rank 0 the full trainable tensors and Adam's moments, once every
+    rank found them finite."""
     params, states = {}, {}
     for name, p in trainable(engine):  # gathering is collective under ZeRO-3: same order on all ranks
         params[name] = engine.get_master(p)
@@ -146,6 +149,13 @@ def _write_parts(engine: Engine, tmp: Path) -> None:
             value = engine.get_state(p, key)
             if value is not None:
                 states[f"{name}::{key}"] = value
+    bad = next((name for name, value in params.items() if not torch.isfinite(value).all()), None)
+    if engine.agree([bad is not None])[0]:
+        raise NonFiniteWeights(f"non-finite values in {bad or 'the weights (found on another rank)'}")
+    if engine.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    engine.barrier()
     rng = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()

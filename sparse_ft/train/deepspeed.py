@@ -100,10 +100,23 @@ class DeepSpeedEngine(Engine):
         norm = self.engine.get_global_grad_norm()
         return float(norm) if norm is not None else float("nan")
 
+    def non_finite_norm_expected(self) -> bool:
+        """DeepSpeed skips a step whose gradient norm is not finite in every precision and
+        reports the norm as inf; only fp16's are loss-scale overflows, which its loss scaler
+        bounds itself (it raises at ``min_loss_scale``). Also when it computed no norm (ZeRO-1/2
+        ``compute_grad_norm: false``): the nan logged then means "not measured"."""
+        skipped_overflow = self.engine.fp16_enabled() and not self.engine.was_step_applied()
+        return skipped_overflow or self.engine.get_global_grad_norm() is None
+
     def mean(self, value: float) -> float:
         tensor = torch.tensor([value], dtype=torch.float64, device=self.engine.device)
         dist.all_reduce(tensor)
         return tensor.item() / self.world_size
+
+    def agree(self, values: list[int]) -> list[int]:
+        tensor = torch.tensor([int(v) for v in values], dtype=torch.int64, device=self.engine.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return tensor.tolist()
 
     def barrier(self) -> None:
         dist.barrier()

@@ -66,6 +66,7 @@ class Engine:
         self.dtype = DTYPES[recipe.model.dtype]
         trainable = [p for p in model.parameters() if p.requires_grad]
         self.scaler = self._mixed_precision(trainable)
+        self.overflowed = False  # fp16: the loss scaler skipped the last step
         groups = param_groups(trainable, recipe.train)
         self.optimizer, self.scheduler = self._build_optimizer(groups, recipe, schedule(recipe.train, total_steps))
 
@@ -107,19 +108,34 @@ class Engine:
             self.scaler.unscale_(self.optimizer)
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         if self.scaler:
+            scale = self.scaler.get_scale()
             self.scaler.step(self.optimizer)  # skipped when the scaled gradients overflowed
             self.scaler.update()
+            self.overflowed = self.scaler.get_scale() < scale  # lowered only after an overflow
         else:
             self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(norm)
 
+    def non_finite_norm_expected(self) -> bool:
+        """Whether a non-finite gradient norm of the last step is no divergence: fp16's loss
+        scaler found its scaled gradients overflowing and skipped the step (nothing applied, the
+        scale halved), as it does while the scale settles. Not once the scale is below 1: then
+        the gradients overflow unscaled, which no scale fixes (DeepSpeed's ``min_loss_scale``,
+        1 by default, stops there too)."""
+        return self.overflowed and self.scaler.get_scale() >= 1
+
     def lr(self) -> float:
         return self.scheduler.get_last_lr()[0]
 
     def mean(self, value: float) -> float:
         return value
+
+    def agree(self, values: list[int]) -> list[int]:
+        """Each value's maximum over the ranks: what one rank saw (a signal, its save clock, a
+        non-finite number) every rank acts on, at the same step. One process: the values."""
+        return [int(v) for v in values]
 
     def barrier(self) -> None:
         pass

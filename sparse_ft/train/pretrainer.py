@@ -22,6 +22,9 @@ class Pretrainer(Trainer):
     token ids. After :meth:`run`, ``model`` is the trained model, for its caller to evaluate
     and save whole."""
 
+    # its run directory is temporary: a checkpoint saved on a signal would not outlive the call
+    stops_on_signals = False
+
     def __init__(self, recipe: Recipe, blocks: np.ndarray, progress: bool = True) -> None:
         super().__init__(recipe, progress)
         self.blocks = blocks

@@ -22,7 +22,7 @@ from sparse_ft.data.packing import build_train_dataset
 from sparse_ft.modeling.model_io import load_tokenizer, materialize_tiny
 from sparse_ft.files.outputs import RunLock
 from sparse_ft.train import checkpoint, sequence_parallel
-from sparse_ft.train.checkpoint import claim_checkpoints
+from sparse_ft.train.checkpoint import NonFiniteWeights, claim_checkpoints
 from sparse_ft.train.adapter import save_adapter
 from sparse_ft.train.deepspeed import DeepSpeedEngine, resolve_deepspeed_config
 from sparse_ft.train.distributed import init_distributed
@@ -31,6 +31,7 @@ from sparse_ft.train.fingerprint import check_resume, fingerprint
 from sparse_ft.train.metrics import MetricLog, peak_memory_mib
 from sparse_ft.train.model_setup import base_model_path, build_model, training_method
 from sparse_ft.train.preflight import preflight
+from sparse_ft.train.stopping import Diverged, Preempted, RunStopped, SaveClock, StopSignals, non_finite, signal_name
 from sparse_ft.modeling.tiny import is_built_in
 
 
@@ -95,6 +96,9 @@ def total_steps(recipe: Recipe, order: DataOrder) -> int:
 class Trainer:
     """One run of ``recipe``: every rank constructs one and calls :meth:`run`."""
 
+    # SIGTERM / SIGINT finish the step, save a checkpoint and stop (``sparse_ft.train.stopping``)
+    stops_on_signals = True
+
     def __init__(self, recipe: Recipe, progress: bool = True) -> None:
         self.recipe = recipe
         self.progress = progress  # rank 0's progress bar
@@ -108,20 +112,22 @@ class Trainer:
     def run(self) -> dict:
         """Train to the end (resuming where a checkpoint allows) and save the adapter; returns
         the run's summary. Every bad input fails in preflight, in one line, before anything
-        loads or is written; the output directory's lock is released however the rest ends."""
-        self.setup_method()
-        self.preflight()
-        try:
-            self.setup_distributed()
-            self.setup_data()
-            self.setup_model()
-            self.setup_engine()
-            self.maybe_resume()
-            self.training = True
-            self.train()
-            return self.save()
-        finally:
-            self.lock.release()
+        loads or is written; the output directory's lock is released however the rest ends,
+        a stop signal's way (:class:`Preempted`) included."""
+        with StopSignals(self.stops_on_signals) as self.signals:
+            self.setup_method()
+            self.preflight()
+            try:
+                self.setup_distributed()
+                self.setup_data()
+                self.setup_model()
+                self.setup_engine()
+                self.maybe_resume()
+                self.training = True
+                self.train()
+                return self.save()
+            finally:
+                self.lock.release()
 
     def setup_method(self) -> None:
         """The attention method the model trains through, built once for the whole run, with
@@ -242,14 +248,22 @@ class Trainer:
 
     def train(self) -> None:
         """Optimizer steps from ``start`` to the end: each logged, a checkpoint every
-        ``save_steps`` and after the last (a run killed while saving the adapter resumes there)."""
+        ``save_steps``, every ``save_minutes`` and after the last (a run killed while saving
+        the adapter resumes there). After each step the ranks agree whether to stop: a stop
+        signal saves a checkpoint first, a non-finite step saves nothing."""
         t = self.recipe.train
         self.log = MetricLog(self.out, t.report_to, self.history) if self.rank == 0 else None
         self.batches = self.micro_batches(self.start * t.gradient_accumulation_steps)
+        clock = SaveClock(t.save_minutes)
+        self.signals.deferred = True
         quiet = self.rank != 0 or not self.progress
         with tqdm(total=self.steps, initial=self.start, desc=f"train {self.recipe.name}", disable=quiet, unit="step") as bar:
             for step in range(self.start, self.steps):
                 record = self._step(step)
+                problem = non_finite(record["loss"], record["grad_norm"], norm_expected=self.engine.non_finite_norm_expected())
+                signum, timed, diverged = self.engine.agree([self.signals.received, clock.due(), problem is not None])
+                if diverged:
+                    self._diverged(step + 1, problem or "a non-finite number on another rank")
                 self.history.append(record)
                 if self.log is not None:
                     report = (step + 1) % t.log_steps == 0 or step + 1 == self.steps
@@ -257,8 +271,27 @@ class Trainer:
                     if report:
                         bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}", grad_norm=f"{record['grad_norm']:.3f}")
                 bar.update()
-                if (step + 1) % t.save_steps == 0 or step + 1 == self.steps:
+                if (step + 1) % t.save_steps == 0 or step + 1 == self.steps or signum or timed:
                     self._checkpoint(step + 1)
+                    clock.restart()
+                if signum:
+                    self._stop(Preempted(f"preempted by {signal_name(signum)} at step {step + 1}: saved "
+                                         f"{checkpoint.directory(self.out, step + 1).name}; resume with the same command",
+                                         signum, announce=self.rank == 0))
+
+    def _stop(self, reason: RunStopped) -> None:
+        """End the loop on every rank together (after their last writes), the log closed."""
+        if self.log is not None:
+            self.log.close()
+        self.engine.barrier()
+        raise reason
+
+    def _diverged(self, step: int, problem: str) -> None:
+        """Stop without saving: the newest checkpoint is the last one of finite numbers."""
+        steps = checkpoint.complete_checkpoints(self.out)
+        kept = f"kept {checkpoint.directory(self.out, steps[-1])} (the last good one)" if steps else "no checkpoint was written yet"
+        self._stop(Diverged(f"step {step}: {problem}: training diverged; {kept}, saved no adapter; "
+                            "lower train.lr or look at the data", announce=self.rank == 0))
 
     def _batch(self, micro: int) -> dict:
         """This rank's micro-batch ``micro``, on the CPU."""
@@ -290,7 +323,10 @@ class Trainer:
         micro = step * self.recipe.train.gradient_accumulation_steps
         position = {"samples": len(self.dataset), "micro_batches": micro, "epoch": micro // micro_per_epoch(self.recipe, self.order)}
         meta = {"history": self.history, "recipe": self.recipe.name, "data": position, "fingerprint": self.fingerprint}
-        checkpoint.save_checkpoint(self.engine, self.out, step, meta, keep=self.recipe.train.save_total_limit)
+        try:
+            checkpoint.save_checkpoint(self.engine, self.out, step, meta, keep=self.recipe.train.save_total_limit)
+        except NonFiniteWeights as err:
+            self._diverged(step, f"its update left {err}")
 
     def save(self) -> dict:
         """The probe logits, the adapter and the summary."""
