@@ -47,7 +47,7 @@ bench() {  # bench CAP NAME ARGS...: sparse-ft bench ARGS --output results/bench
     local cap=$1 name=$2
     shift 2
     WROTE+=("$RES/$name-$GPU.json" "$RES/$name-$GPU.md")
-    step "$cap" "$name" "$PY" -m sparse_ft bench "$@" --output "$RES/$name-$GPU.json"
+    step "$cap" "$name" "$PY" -m sparse_ft bench "$@" --output "$RES/$name-$GPU.json" --overwrite  # a rerun replaces its own
 }
 
 imports() { "$PY" -c "import $1" 2>/dev/null; }

@@ -92,7 +92,7 @@ CASES = {
         ["model.name_or_path=DATA/no-model"], None,
         r"recipe key model.name_or_path='.*/no-model' is invalid: no such local directory \(a Hub model is named like"),
     "local directory without config.json": (
-        ["model.name_or_path=DATA"], lambda tmp: tmp,
+        ["model.name_or_path=DATA"], lambda tmp: (tmp / "model").mkdir() or tmp / "model",  # beside train.output_dir, not holding it
         r"recipe key model.name_or_path='.*' is invalid: a local model is a directory with config.json; this has none"),
     "hub id that cannot be reached": (
         ["model.name_or_path=nobody-here/no-model"], None,

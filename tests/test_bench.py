@@ -129,12 +129,12 @@ def test_bench_keeps_the_rows_measured_before_a_stop(tmp_path):
         yield {"seq_len": 1}
         raise KeyboardInterrupt
 
-    args = type("Args", (), {"output": tmp_path / "x.json", "command_line": "sparse-ft bench x"})()
+    args = type("Args", (), {"output": tmp_path / "x.json", "command_line": "sparse-ft bench x", "bench": "x"})()
     with pytest.raises(KeyboardInterrupt):
         bench_cli._sweep(args, "title", rows(), lambda done: f"{len(done)} rows", payload={"machine": "m"})
     payload = json.loads((tmp_path / "x.json").read_text())
     assert payload["complete"] is False and payload["results"] == [{"seq_len": 1}]
-    assert (tmp_path / "x.md").read_text() == "title\n\nCommand: `sparse-ft bench x`\n\n1 rows\n"
+    assert (tmp_path / "x.md").read_text() == "title\n\nCommand: `sparse-ft bench x`\n\n1 rows\n\n<!-- sparse_ft_output: sparse-ft bench x -->\n"
 
 
 def test_bench_dca_against_causal_sdpa(tmp_path, capsys):

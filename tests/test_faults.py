@@ -28,7 +28,8 @@ from sparse_ft.train.deepspeed import DeepSpeedEngine
 from sparse_ft.train.engine import Engine
 from sparse_ft.train.checkpoint import complete_checkpoints, verify
 from sparse_ft.files.outputs import RUN_LOCK as LOCK, RunLock
-from sparse_ft.train.checkpoint import claim_checkpoints
+from sparse_ft.files.outputs import OUTPUT_MARKER
+from sparse_ft.train.run_directory import claim
 from sparse_ft.train.trainer import train
 
 
@@ -179,24 +180,33 @@ def test_a_fresh_run_over_an_old_one_is_refused_unless_told_to_delete_its_checkp
     before = snapshot(out)
     assert train_py(*run_in(out, common, "train.resume=never")) == 2
     line = one_error_line(capsys.readouterr().err)
-    assert f"train.output_dir={out} holds an earlier run's checkpoints (checkpoint-2, checkpoint-4, checkpoint-6, checkpoint-8, checkpoint-10)" in line
+    earlier = ("checkpoint-2, checkpoint-4, checkpoint-6, checkpoint-8, checkpoint-10, adapter, train_summary.json, "
+               "adapter_probe.safetensors")
+    assert f"train.output_dir={out} holds an earlier run's {earlier}; resume it with train.resume=auto" in line
     assert "train.overwrite_output_dir=true" in line and snapshot(out) == before
     assert train_py(*run_in(out, common, "train.resume=never", "train.overwrite_output_dir=true")) == 0
-    assert "train.overwrite_output_dir: deleted checkpoint-2, checkpoint-4, checkpoint-6, checkpoint-8, checkpoint-10 from" in capsys.readouterr().out
+    assert f"train.overwrite_output_dir: deleted {earlier} from" in capsys.readouterr().out
     assert complete_checkpoints(out) == [2, 4, 6, 8] and losses(out) == losses(reference[0])
     assert (out / "notes.txt").read_text() == "mine"
 
 
-def test_overwrite_output_dir_deletes_checkpoints_and_nothing_else(tmp_path):
-    for name in ("checkpoint-2", "checkpoint-4.tmp", "adapter", "tensorboard"):
+def test_overwrite_output_dir_deletes_its_own_checkpoints_and_results_and_nothing_else(tmp_path):
+    """sparse-ft's checkpoints carry meta.json (a save in progress, the marker, or before
+    markers only a checkpoint's files); the user's checkpoint-best, though a copy of one, has a
+    name no save writes, and stays."""
+    marks = {"checkpoint-2": checkpoint.META, "checkpoint-4.tmp": OUTPUT_MARKER, "checkpoint-6.tmp": checkpoint.TRAINABLE,
+             "checkpoint-best": checkpoint.META,
+             "adapter": OUTPUT_MARKER, "tensorboard": "events"}
+    for name, file in marks.items():
         (tmp_path / name).mkdir()
-        (tmp_path / name / "file").write_text(name)
-    for name in ("log.jsonl", "recipe.resolved.yaml", "notes.txt"):
+        (tmp_path / name / file).write_text(name)
+    for name in ("log.jsonl", "recipe.resolved.yaml", "notes.txt", "train_summary.json"):
         (tmp_path / name).write_text(name)
-    others = {k: v for k, v in snapshot(tmp_path).items() if not k.startswith("checkpoint-")}
-    claim_checkpoints(tmp_path, "auto", overwrite=False)  # a resume claims nothing
-    claim_checkpoints(tmp_path, "never", overwrite=True)
-    assert snapshot(tmp_path) == others
+    deleted = ("checkpoint-2/", "checkpoint-4.tmp/", "checkpoint-6.tmp/", "adapter/", "train_summary.json")
+    others = {k: v for k, v in snapshot(tmp_path).items() if not k.startswith(deleted)}
+    claim(tmp_path, "auto", overwrite=False)  # a resume of the same run claims nothing
+    claim(tmp_path, "never", overwrite=True)
+    assert snapshot(tmp_path) == others and "checkpoint-best/meta.json" in others
 
 
 @pytest.mark.parametrize("change, named", [

@@ -1,7 +1,9 @@
 """``sparse-ft bench attention|train|dca|eval``: each against its baseline in the same run.
 
 ``--output X.json`` writes the JSON and ``X.md`` (title, command, table) after every row, so a
-sweep stopped by a time limit keeps what it measured (``"complete": false`` until the end)."""
+sweep stopped by a time limit keeps what it measured (``"complete": false`` until the end).
+Both carry a marker naming the command; existing files are replaced only when they carry one
+and ``--overwrite`` is given, checked before anything is measured."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from sparse_ft.files.outputs import OUTPUT_FIELD, atomic_file, markdown_marker
 from sparse_ft.modeling.dtypes import SHORT_NAMES
 
 HELP = "benchmarks against the dense baseline"
@@ -38,6 +41,7 @@ def _common(p: argparse.ArgumentParser, lengths: str) -> None:
     p.add_argument("--repeats", type=int, default=3, help="measured runs")
     p.add_argument("--output", type=Path, default=None,
                    help="write results as JSON here and a markdown table beside it (default: the table only)")
+    p.add_argument("--overwrite", action="store_true", help="replace --output (and its .md) when they hold an earlier sparse-ft output")
 
 
 def _model(p: argparse.ArgumentParser) -> None:
@@ -89,7 +93,19 @@ def _setup(args: argparse.Namespace, name: str) -> tuple[Any, str, list[int]]:
         raise ValueError(f"bench {name}: {err}") from None
     if args.warmup < 0 or args.repeats < 1:
         raise ValueError(f"bench {name}: --warmup={args.warmup} must be >= 0 and --repeats={args.repeats} >= 1")
+    if args.output is not None:
+        _check_output(args.output, args.overwrite)
     return device, dtype, lengths
+
+
+def _check_output(output: Path, overwrite: bool) -> None:
+    """The JSON and the markdown beside it: new, or sparse-ft's own with ``--overwrite``."""
+    from sparse_ft.files.outputs import check_output_file
+
+    if output.suffix != ".json":
+        raise ValueError(f"--output {output} must end in .json (the markdown table is written beside it, as .md)")
+    for path in (output, output.with_suffix(".md")):
+        check_output_file(path, "--output", overwrite)
 
 
 def _backends(text: str, device: Any, dtype: str, flag: str) -> list[str]:
@@ -205,11 +221,12 @@ def main_eval(args: argparse.Namespace) -> int:
 def _sweep(args: argparse.Namespace, title: str, rows: Iterable[Any], table: Callable[[list], str], *,
            payload: dict) -> int:
     command = getattr(args, "command_line", None)
+    writer = f"sparse-ft bench {args.bench}"
     done: list = []
     for row in rows:
         done.append(row)
-        _write(args.output, title, command, table(done), payload={**payload, "complete": False}, rows=done)
-    _write(args.output, title, command, table(done), payload={**payload, "complete": True}, rows=done)
+        _write(args.output, title, command, table(done), payload={OUTPUT_FIELD: writer, **payload, "complete": False}, rows=done)
+    _write(args.output, title, command, table(done), payload={OUTPUT_FIELD: writer, **payload, "complete": True}, rows=done)
     print(f"\n{title}\n\n{table(done)}")
     if args.output:
         print(f"\nwrote {args.output} and {args.output.with_suffix('.md')}")
@@ -221,6 +238,8 @@ def _write(output: Path | None, title: str, command: str | None, table: str, *, 
         return
     output.parent.mkdir(parents=True, exist_ok=True)
     results = [asdict(r) if is_dataclass(r) else r for r in rows]
-    output.write_text(json.dumps({**payload, "command": command, "results": results}, indent=2) + "\n")
+    with atomic_file(output) as f:
+        f.write(json.dumps({**payload, "command": command, "results": results}, indent=2) + "\n")
     made = f"Command: `{command}`\n\n" if command else ""
-    output.with_suffix(".md").write_text(f"{title}\n\n{made}{table}\n")
+    with atomic_file(output.with_suffix(".md")) as f:
+        f.write(f"{title}\n\n{made}{table}\n\n{markdown_marker(payload[OUTPUT_FIELD])}\n")

@@ -28,6 +28,7 @@ from sparse_ft.config.schema import Recipe, fail, validate
 from sparse_ft.modeling.tiny import BUILT_IN
 from sparse_ft.files.outputs import atomic_file
 
+RESOLVED_RECIPE = "recipe.resolved.yaml"  # beside a run's outputs (save_resolved)
 # keys that may name a local path, with the suffixes that make a value a file even before it exists
 PATH_KEYS = {
     ("model", "name_or_path"): (),
@@ -217,7 +218,7 @@ def format_recipe(recipe: Recipe) -> str:
 
 def save_resolved(recipe: Recipe, output_dir: str | os.PathLike) -> Path:
     """The exact configuration a run used, next to its outputs; ``recipe=<that file>`` reruns it."""
-    path = Path(output_dir) / "recipe.resolved.yaml"
+    path = Path(output_dir) / RESOLVED_RECIPE
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_file(path) as f:
         f.write(format_recipe(recipe))

@@ -178,7 +178,7 @@ def validate(recipe: Recipe) -> None:
     for reporter in train.report_to:
         if reporter not in REPORTERS:
             fail("train.report_to", train.report_to, f"entries allowed: {', '.join(REPORTERS)}")
-    _check_output_dir(train)
+    _check_output_dir(recipe)
     if not 0 <= recipe.lora.dropout < 1:
         fail("lora.dropout", recipe.lora.dropout, "must be in [0, 1)")
     if not recipe.lora.target_modules:
@@ -205,11 +205,25 @@ def _check_finite(value: Any, key: str) -> None:
         fail(key, value, "must be a finite number (not .inf or .nan)")
 
 
-def _check_output_dir(train: TrainSection) -> None:
+def _check_output_dir(recipe: Recipe) -> None:
     """By the time the trainer reached the output directory it would have written into it.
-    (The checkpoint ``train.resume`` names is the trainer's to check: its files are.)"""
+    (The checkpoint ``train.resume`` names is the trainer's to check: its files are.) A run
+    writes fixed names (log.jsonl, adapter/) and ``overwrite_output_dir`` deletes some, so the
+    current directory (``""``, ``.``) or one holding it is never a run's."""
+    from sparse_ft.files.outputs import check_apart
+
+    train = recipe.train
     if Path(train.output_dir).exists() and not Path(train.output_dir).is_dir():
         fail("train.output_dir", train.output_dir, "a directory (to be created, or an earlier run's); this is a file")
+    cwd, out = Path.cwd().resolve(), Path(train.output_dir).resolve()
+    if out == cwd or out in cwd.parents:
+        fail("train.output_dir", train.output_dir, f"a directory of the run's own (e.g. runs/NAME), not the current directory {cwd} "
+             "or one holding it")
+    try:
+        model = None if is_built_in(recipe.model.name_or_path) else recipe.model.name_or_path
+        check_apart(Path(train.output_dir), "train.output_dir", {"data.source": recipe.data.source, "model.name_or_path": model})
+    except ValueError as err:
+        raise BadInput(str(err)) from None
     if train.overwrite_output_dir and train.resume != "never":
         fail("train.overwrite_output_dir", True, f"only applies with train.resume=never (a fresh run), not {train.resume!r}")
     for key in train.resume_allow_changes:

@@ -2,6 +2,8 @@
 
 Everything that can be checked without the model is checked first (flags, method, data file,
 that every output path can be written), so a mistake costs seconds, not a whole evaluation.
+An output file is new, or an earlier output of sparse-ft replaced with ``--overwrite`` (the
+results JSON and the PNGs carry a marker naming the command), and lies outside every input.
 """
 
 from __future__ import annotations
@@ -44,6 +46,11 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trust-remote-code", action="store_true", help="run code from the model repository")
     p.add_argument("--output", type=Path, default=None, help="results JSON (default: none, the table only)")
     p.add_argument("--label", default=None, help="name of this run in tables and plots (default: the method)")
+    _overwrite_flag(p)
+
+
+def _overwrite_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--overwrite", action="store_true", help="replace output files that hold an earlier sparse-ft output")
 
 
 def configure(ev: argparse.ArgumentParser) -> None:
@@ -79,6 +86,7 @@ def configure(ev: argparse.ArgumentParser) -> None:
                          description="PPL vs length, one line per results file of eval ppl --output")
     g.add_argument("results", nargs="+", type=Path, help="results JSON files of eval ppl --output")
     g.add_argument("--output", type=Path, required=True, help="the PNG to write")
+    _overwrite_flag(g)
     g.set_defaults(func=run_plot)
 
 
@@ -88,17 +96,27 @@ def _method(args):
     return methods.get(args.method, **_method_args(args.method_arg))
 
 
-def _check_outputs(args, *flags: str) -> None:
-    """Every output file can be written (its folder is made), before the model loads."""
-    from sparse_ft.files.outputs import check_parent_writable
+def _writer(args) -> str:
+    return f"sparse-ft eval {args.eval}"
+
+
+def _check_outputs(args, inputs: dict, *flags: str) -> None:
+    """Before the model loads: every output file can be written (its folder is made), is new
+    or an earlier output of sparse-ft (with --overwrite), and lies outside every input."""
+    from sparse_ft.files.outputs import check_apart, check_output_file
 
     for flag in flags:
         path = getattr(args, flag)
-        if path is None:
-            continue
-        if path.is_dir():
-            raise ValueError(f"--{flag} {path} is a directory; name a file")
-        check_parent_writable(path, f"--{flag}")
+        if path is not None:
+            check_apart(path, f"--{flag}", inputs)
+            check_output_file(path, f"--{flag}", args.overwrite)
+
+
+def _model_inputs(args) -> dict:
+    """The local inputs of a model's evaluation, by flag."""
+    from sparse_ft.modeling.tiny import is_built_in
+
+    return {"--model": None if is_built_in(args.model) else args.model, "--adapter": args.adapter}
 
 
 def _load(args, method, tokenizer: bool = True):
@@ -145,7 +163,7 @@ def run_ppl(args) -> int:
     method = _method(args)
     if not method.supports.ppl:
         raise ValueError(f"--method {args.method} cannot report perplexity: {method.supports.no_ppl_reason}")
-    _check_outputs(args, "output", "plot")
+    _check_outputs(args, {**_model_inputs(args), "--data": args.data}, "output", "plot")
     is_token_file = tokens.check_data(args.data)
     model, tokenizer = _load(args, method, tokenizer=not is_token_file)
     vocab = model.get_output_embeddings().weight.shape[0]
@@ -160,17 +178,19 @@ def run_ppl(args) -> int:
     label = _label(args)
     _emit(args, model, label, report.ppl_table(results, label), results=results)
     if args.plot:
-        print(f"wrote {plots.plot_ppl([(label, results)], args.plot)}")
+        print(f"wrote {plots.plot_ppl([(label, results)], args.plot, writer=_writer(args))}")
     return 0
 
 
 def _emit(args, model, label: str, table: str, *, results: list) -> None:
     """The markdown table on stdout and, with --output, the results JSON with the full configuration."""
     from sparse_ft.evaluation import report
+    from sparse_ft.files.outputs import OUTPUT_FIELD
 
     print(table)
     if args.output:
-        report.write_json(args.output, {"label": label, "results": results, "config": _config(args, model)})
+        payload = {OUTPUT_FIELD: _writer(args), "label": label, "results": results, "config": _config(args, model)}
+        report.write_json(args.output, payload)
         print(f"wrote {args.output}")
 
 
@@ -187,13 +207,13 @@ def run_passkey(args) -> int:
     if args.trials < 1:
         raise ValueError(f"--trials {args.trials} must be >= 1")
     method = _method(args)
-    _check_outputs(args, "output", "heatmap")
+    _check_outputs(args, _model_inputs(args), "output", "heatmap")
     model, tokenizer = _load(args, method)
     cells = passkey.evaluate(model, tokenizer, lengths, depths, trials=args.trials, method=method, seed=args.seed)
     label = _label(args)
     _emit(args, model, label, report.passkey_table(cells), results=cells)
     if args.heatmap:
-        print(f"wrote {plots.plot_passkey(cells, args.heatmap, f'passkey retrieval: {label}')}")
+        print(f"wrote {plots.plot_passkey(cells, args.heatmap, f'passkey retrieval: {label}', writer=_writer(args))}")
     return 0
 
 
@@ -201,6 +221,6 @@ def run_plot(args) -> int:
     from sparse_ft.evaluation import plots, report
 
     series = [report.read_ppl(path) for path in args.results]
-    _check_outputs(args, "output")
-    print(f"wrote {plots.plot_ppl(series, args.output)}")
+    _check_outputs(args, {f"results file {index}": path for index, path in enumerate(args.results, 1)}, "output")
+    print(f"wrote {plots.plot_ppl(series, args.output, writer=_writer(args))}")
     return 0

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterable
 
+from sparse_ft.files.outputs import OUTPUT_FIELD, atomic_file
+
 
 def _pyplot():
     import matplotlib
@@ -15,14 +17,18 @@ def _pyplot():
     return plt
 
 
-def _save(fig, output: Path) -> Path:
+def _save(fig, output: Path, writer: str) -> Path:
+    """Atomically, never through a link; a PNG carries ``writer`` as its marker (``written_by``)."""
     output.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(output, dpi=120)
+    kind = output.suffix.lstrip(".").lower() or "png"
+    with atomic_file(output, "wb") as f:
+        fig.savefig(f, format=kind, dpi=120, metadata={OUTPUT_FIELD: writer} if kind == "png" else None)
     _pyplot().close(fig)
     return output
 
 
-def plot_ppl(series: list[tuple[str, list[dict]]], output: Path, dashed: Iterable[str] = ()) -> Path:
+def plot_ppl(series: list[tuple[str, list[dict]]], output: Path, dashed: Iterable[str] = (), *,
+             writer: str = "sparse-ft") -> Path:
     """``series``: ``(label, results)`` per run, e.g. from :func:`report.read_ppl`; labels in
     ``dashed`` are drawn dashed (a second family, e.g. training-free methods). The y axis is
     logarithmic: a method that blows up must not flatten the ones that hold."""
@@ -53,14 +59,14 @@ def plot_ppl(series: list[tuple[str, list[dict]]], output: Path, dashed: Iterabl
     else:
         ax.legend()
     fig.tight_layout()
-    return _save(fig, output)
+    return _save(fig, output, writer)
 
 
 def _tokens(n: int) -> str:
     return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
 
 
-def plot_passkey(cells: list[dict], output: Path, title: str = "") -> Path:
+def plot_passkey(cells: list[dict], output: Path, title: str = "", *, writer: str = "sparse-ft") -> Path:
     import numpy as np
 
     plt = _pyplot()
@@ -80,4 +86,4 @@ def plot_passkey(cells: list[dict], output: Path, title: str = "") -> Path:
     fig.colorbar(image, ax=ax, label="accuracy")
     ax.set_title(title or "passkey retrieval")
     fig.tight_layout()
-    return _save(fig, output)
+    return _save(fig, output, writer)

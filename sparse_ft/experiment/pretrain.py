@@ -199,10 +199,14 @@ def pretrain(cfg: PretrainConfig, corpus: Path = CORPUS_DIR, output: Path = ASSE
     from sparse_ft.modeling.tiny import tiny_tokenizer
 
     corpus, output = Path(corpus), Path(output)
-    check_apart(output, "--output", {"--corpus": corpus, "--init-from": init_from})
+    check_apart(output, "--output", {"--corpus": corpus, "--init-from": init_from and Path(init_from)})
     check_output_dir(output, overwrite)
+    build = not (corpus / "corpus.json").exists()
+    if build:  # into a new or empty directory: its files have fixed names
+        check_apart(corpus, "--corpus", {"--init-from": init_from and Path(init_from)})
+        check_output_dir(corpus, False, "--corpus")
     tokenizer = tiny_tokenizer()
-    if not (corpus / "corpus.json").exists():
+    if build:
         print(f"building the corpus in {corpus} (scripts/build_corpus.py)")
         build_corpus(corpus, tokenizer, context=cfg.context, seed=cfg.seed, max_blocks=max_blocks,
                      passkey_fraction=PASSKEY_FRACTION if passkey_fraction is None else passkey_fraction)

@@ -11,6 +11,7 @@ from statistics import mean
 
 from sparse_ft.evaluation.plots import plot_passkey, plot_ppl
 from sparse_ft.evaluation.report import write_json
+from sparse_ft.files.outputs import atomic_file
 from sparse_ft.modeling.rope import METHODS as ROPE_NAMES
 
 
@@ -102,7 +103,8 @@ def tables(results: dict) -> str:
 def write_report(results: dict, out: Path) -> None:
     out = Path(out)
     write_json(out / "results.json", results)
-    (out / "tables.md").write_text(tables(results))
+    with atomic_file(out / "tables.md") as f:
+        f.write(tables(results))
     series = []
     for pattern, group in _by_pattern(results["rows"]).items():
         lengths = sorted(_ppl(group[0]))

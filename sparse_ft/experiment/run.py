@@ -9,7 +9,9 @@ retrieval over lengths x depths. Training and evaluation are the project's own (
 loop, ``sparse_ft.evaluation``); this module only schedules them and tabulates.
 
 Each finished row is written to ``rows/<name>.json`` at once and reused by a rerun with the
-same settings, so an interrupted experiment resumes where it stopped.
+same settings, so an interrupted experiment resumes where it stopped. The results folder is
+the experiment's own (``claim_directory``: new, empty, or an earlier experiment's); neither it
+nor the runs folder may overlap the base or the recipe.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from sparse_ft.experiment.pretrain import ASSET_DIR, machine
 from sparse_ft.modeling.rope import METHODS as ROPE_METHODS
 
 HELP = "the tiny base extended 4x by every pattern and training-free method: tables, plots"
+WRITER = "sparse-ft experiment"
 RECIPE = RECIPE_DIRS[0] / "experiment" / "tiny_4x.yaml"
 PATTERNS = ["full", "s2", "scca_fixed", "scca_flow", "longmixed"]
 # The training-free rows: the unchanged base ("vanilla"), then every method that does not
@@ -122,10 +125,16 @@ class Runner:
 
         from sparse_ft.modeling.rope import original_context
 
+        from sparse_ft.files.outputs import check_apart, claim_directory
+
         cfg.validate()
         self.cfg = cfg
         self.out = Path(cfg.output)
-        (self.out / "rows").mkdir(parents=True, exist_ok=True)
+        for flag, output in (("--output", self.out), ("--runs", Path(cfg.runs))):
+            check_apart(output, flag, {"--base": Path(cfg.base), "--recipe": Path(cfg.recipe)})
+        # results written before folders were marked have their rows
+        claim_directory(self.out, WRITER, "--output", legacy=lambda found: (found / "rows").is_dir())
+        (self.out / "rows").mkdir(exist_ok=True)
         self.context = original_context(AutoConfig.from_pretrained(cfg.base))
         self.target = self.context * cfg.factor
         self.jsonl: Optional[Path] = None  # the fine-tuning documents, once data() built them

@@ -3,27 +3,45 @@ reader ever sees half of a file:
 
 * files are written to a temporary sibling and renamed into place (``atomic_file``), and what
   must survive a crash is flushed to disk first (``write_synced``, ``fsync_dir``);
-* directories are built in a temporary sibling and renamed onto the target
-  (``atomic_directory``); they carry ``OUTPUT_MARKER`` naming the command that wrote them, and
-  only a directory carrying it is ever replaced;
-* an output may not overlap an input (``check_apart``), and every output place is checked
-  writable before the work starts (``check_parent_writable``, ``check_output_dir``);
+* directories are built in a temporary sibling and swapped onto the target
+  (``atomic_directory``, ``replace_directory``); they carry ``OUTPUT_MARKER`` naming the command
+  that wrote them, and only a directory carrying it is ever replaced;
+* every temporary path is new and unique to the call (``scratch_directory``: ``.NAME.XXXXXXXX``
+  + ``SCRATCH_SUFFIX`` beside ``NAME``), and it is the only thing a call removes: a fixed sibling
+  name (``NAME.old``, ``NAME.tmp``) may be a user's backup or another command's input;
+* a directory a command keeps writing into (a training run, the experiment's results) is
+  claimed with a marker too (``claim_directory``): the names the command writes there are its
+  own, any other file in it is the user's;
+* a results file carries its marker inside (``written_by``: a JSON field, a PNG text chunk, a
+  markdown comment); an existing file without one is never replaced (``check_output_file``);
+* outputs are not written through symbolic links, and an output may not overlap an input
+  (``check_apart``); every output place is checked writable before the work starts
+  (``check_parent_writable``, ``check_output_dir``);
 * a run directory is held by a lock file naming its process (``RunLock``).
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
+import re
 import shutil
 import socket
+import struct
 import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Iterator, Optional
+from typing import IO, Callable, Iterator, Optional
 
 OUTPUT_MARKER = ".sparse-ft-output"  # in every directory sparse-ft writes, naming the command
+OUTPUT_FIELD = "sparse_ft_output"  # in every results file sparse-ft writes (JSON field, PNG text), naming the command
+SHARED = "shared"  # the marker's second line in a claimed directory: files it does not name are the user's
+SCRATCH_SUFFIX = ".sparse-ft-tmp"  # ends every temporary path: a leftover of a crash is recognisably sparse-ft's
+_MARKDOWN = re.compile(rf"^<!-- {OUTPUT_FIELD}: (.+) -->$")
+_PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def check_parent_writable(path: Path, flag: str) -> None:
@@ -37,79 +55,247 @@ def check_parent_writable(path: Path, flag: str) -> None:
         raise ValueError(f"{flag} {path}: cannot write in {path.parent} ({err.strerror or err})") from None
 
 
+def _refuse_link(path: Path, flag: str) -> None:
+    """Writing through a link would replace a file somewhere else, one sparse-ft never saw."""
+    if path.is_symlink():
+        raise ValueError(f"{flag} {path} is a symbolic link (to {os.readlink(path)}); sparse-ft does not write through links: "
+                         "remove the link or name another path")
+
+
+def marker(directory: Path) -> Optional[tuple[str, bool]]:
+    """``(command, shared)`` of a directory carrying ``OUTPUT_MARKER``; ``None`` for any other.
+    ``shared``: a directory the command writes into (``claim_directory``), not one it wrote
+    whole."""
+    try:
+        lines = (Path(directory) / OUTPUT_MARKER).read_text().splitlines()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return (lines[0].strip(), SHARED in lines[1:]) if lines else None
+
+
+def _png_text(path: Path, key: str) -> Optional[str]:
+    """The PNG text chunk ``key`` (matplotlib writes them before the image data)."""
+    with open(path, "rb") as f:
+        if f.read(len(_PNG)) != _PNG:
+            return None
+        while len(head := f.read(8)) == 8:
+            length, kind = struct.unpack(">I4s", head)
+            if kind in (b"IDAT", b"IEND"):
+                return None
+            data = f.read(length + 4)[:length]
+            name, _, value = data.partition(b"\0")
+            if kind == b"tEXt" and name == key.encode():
+                return value.decode("latin-1")
+    return None
+
+
+def written_by(path: Path) -> Optional[str]:
+    """The command that wrote ``path``, read from the marker it carries: a directory's
+    ``OUTPUT_MARKER``, a JSON object's ``OUTPUT_FIELD``, a PNG's text chunk of that name, a
+    markdown file's last line (``markdown_marker``). ``None`` for anything else: a file sparse-ft
+    did not write, or wrote before it marked its files."""
+    path = Path(path)
+    if path.is_dir():
+        found = marker(path)
+        return found[0] if found else None
+    try:
+        if path.suffix == ".json":
+            payload = json.loads(path.read_text())
+            writer = payload.get(OUTPUT_FIELD) if isinstance(payload, dict) else None
+        elif path.suffix == ".png":
+            writer = _png_text(path, OUTPUT_FIELD)
+        elif path.suffix == ".md":
+            match = _MARKDOWN.match((path.read_text().splitlines() or [""])[-1])
+            writer = match.group(1) if match else None
+        else:
+            writer = None
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    return writer if isinstance(writer, str) and writer else None
+
+
+def markdown_marker(writer: str) -> str:
+    """The last line of a markdown file ``writer`` wrote (an HTML comment: invisible when shown)."""
+    return f"<!-- {OUTPUT_FIELD}: {writer} -->"
+
+
+def _check_replaceable(output: str, writer: Optional[str], foreign: str, overwrite: bool) -> None:
+    """``output`` (its flag and path) is replaced only when ``writer``, sparse-ft's command, wrote it."""
+    if writer is None:
+        raise ValueError(f"{output} {foreign}")
+    if not overwrite:
+        raise ValueError(f"{output} holds the output of `{writer}`; pass --overwrite to replace it")
+
+
 def check_output_dir(directory: Path, overwrite: bool = False, flag: str = "--output") -> None:
     """Refuse, before any work, to write where something would be lost or cannot be written:
-    a file, a non-empty directory sparse-ft did not write (no ``OUTPUT_MARKER``), one it did
-    write unless ``overwrite``, a read-only place. Nothing but a directory this toolkit wrote
-    is ever replaced."""
+    a file, a link, a non-empty directory sparse-ft did not write (no ``OUTPUT_MARKER``), one it
+    did write unless ``overwrite``, one a command writes into beside the user's files (a
+    training run), a read-only place. Nothing but a directory this toolkit wrote whole is ever
+    replaced."""
     check_parent_writable(directory, flag)
+    _refuse_link(directory, flag)
     if not directory.exists():
         return
     if not directory.is_dir():
         raise ValueError(f"{flag} {directory} is a file, not a directory")
     if not any(directory.iterdir()):
         return
-    marker = directory / OUTPUT_MARKER
-    if not marker.is_file():
-        raise ValueError(f"{flag} {directory} is not empty and was not written by sparse-ft (no {OUTPUT_MARKER}); "
+    found = marker(directory)
+    if found is not None and found[1]:
+        raise ValueError(f"{flag} {directory} is the directory of `{found[0]}`, which may hold files of yours beside its own; "
                          "name a new or empty directory")
-    if not overwrite:
-        raise ValueError(f"{flag} {directory} holds the output of `{marker.read_text().strip()}`; "
-                         "pass --overwrite to replace it")
+    _check_replaceable(f"{flag} {directory}", found and found[0], f"is not empty and was not written by sparse-ft "
+                       f"(no {OUTPUT_MARKER}); name a new or empty directory", overwrite)
+
+
+def check_output_file(path: Path, flag: str, overwrite: bool = False) -> None:
+    """Refuse, before any work, a results file that cannot be written or would lose something:
+    a directory, a link, an existing file sparse-ft did not write (``written_by``), one it wrote
+    unless ``overwrite``."""
+    path = Path(path)
+    check_parent_writable(path, flag)
+    _refuse_link(path, flag)
+    if path.is_dir():
+        raise ValueError(f"{flag} {path} is a directory; name a file")
+    if path.exists():
+        _check_replaceable(f"{flag} {path}", written_by(path), f"exists and was not written by sparse-ft (it carries no "
+                           f"{OUTPUT_FIELD} marker); name a new file or move it away", overwrite)
 
 
 def check_apart(output: Path, flag: str, inputs: dict[str, Optional[str | os.PathLike]]) -> None:
-    """Refuse an output directory that is, contains or lies inside a local input (``{flag:
-    path}``): writing it would replace or mix with what the command reads."""
+    """Refuse an output (file or directory) that is, contains or lies inside a local input
+    (``{flag: path}``): writing it would replace or mix with what the command reads. A ``Path``
+    is local whether or not it exists yet (an input the command builds first); a string that
+    names nothing here may be a Hub id and is not an input here."""
     out = Path(output).resolve()
     for name, value in inputs.items():
-        if value is None or not Path(value).exists():
+        if value is None or not (isinstance(value, Path) or Path(value).exists()):
             continue
         source = Path(value).resolve()
         if out == source or source in out.parents or out in source.parents:
             raise ValueError(f"{flag} {output} overlaps {name} {value}; write the output outside it")
 
 
-def _clear(path: Path, flag: str) -> None:
-    """A sibling a crashed write left behind; only what sparse-ft wrote is removed."""
-    check_output_dir(path, True, flag)
-    shutil.rmtree(path, ignore_errors=True)
+def claim_directory(directory: Path, writer: str, flag: str, *, legacy: Callable[[Path], bool] = lambda _: False) -> None:
+    """Make ``directory`` the one ``writer`` keeps writing into: a new or empty one is marked
+    (``OUTPUT_MARKER`` naming ``writer``, shared); one marked so already, or one written before
+    markers that ``legacy`` recognises (left as it is: a command refused later has changed
+    nothing), stays ``writer``'s. Any other is refused: a non-empty directory of the user's,
+    another command's output. A link to a directory is followed: the user has put it there."""
+    directory = Path(directory)
+    check_parent_writable(directory, flag)
+    if directory.exists() and not directory.is_dir():
+        raise ValueError(f"{flag} {directory} is a file, not a directory")
+    found = marker(directory)
+    if found is not None:
+        if found != (writer, True):
+            raise ValueError(f"{flag} {directory} holds the output of `{found[0]}`; name a new or empty directory")
+        return
+    if directory.exists() and any(directory.iterdir()):
+        if legacy(directory):
+            return
+        raise ValueError(f"{flag} {directory} is not empty and was not written by `{writer}` (no {OUTPUT_MARKER}); "
+                         "name a new or empty directory")
+    directory.mkdir(parents=True, exist_ok=True)
+    with atomic_file(directory / OUTPUT_MARKER) as f:
+        f.write(f"{writer}\n{SHARED}\n")
+
+
+def scratch_directory(target: Path) -> Path:
+    """A new, empty directory beside ``target``, unique to this call: ``.NAME.XXXXXXXX.sparse-ft-tmp``."""
+    target = Path(target)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=SCRATCH_SUFFIX, dir=target.parent))
+    scratch.chmod(0o777 & ~_umask())  # what mkdir would have made, not mkdtemp's owner-only: it may become the output
+    return scratch
+
+
+def scratch_file(target: Path) -> Path:
+    """A new, empty file beside ``target``, unique to this call (named as ``scratch_directory``'s)."""
+    target = Path(target)
+    fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=SCRATCH_SUFFIX, dir=target.parent)
+    os.close(fd)  # opened again by name: a writer may read ``f.name``
+    return Path(name)
+
+
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2  # <fcntl.h>, <linux/fs.h>
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one step (Linux ``renameat2(RENAME_EXCHANGE)``); ``False`` where the
+    system or the filesystem cannot."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EXDEV):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def replace_directory(new: Path, target: Path) -> None:
+    """Put the directory ``new`` at ``target`` and remove what was there, and nothing else.
+    Where the filesystem can exchange two paths, a crash at any moment leaves the old or the new
+    directory at ``target`` and at most one ``SCRATCH_SUFFIX`` leftover; elsewhere the old one is
+    renamed to a scratch name of its own first, so a crash between the two renames leaves both
+    under scratch names (the old one carrying its marker), and a failed second rename puts the
+    old one back."""
+    new, target = Path(new), Path(target)
+    if not os.path.lexists(target):
+        os.rename(new, target)
+        return
+    if _exchange(new, target):
+        shutil.rmtree(new, ignore_errors=True)  # the old directory, now under the scratch name
+        return
+    aside = scratch_directory(target)
+    os.replace(target, aside)  # onto the empty scratch directory
+    try:
+        os.replace(new, target)
+    except BaseException:
+        os.replace(aside, target)
+        raise
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 @contextmanager
 def atomic_directory(directory: Path, writer: str = "sparse-ft", overwrite: bool = True,
                      flag: str = "output directory") -> Iterator[Path]:
-    """A temporary sibling of ``directory`` to write into, renamed onto it when the block ends:
-    a crash midway leaves the previous directory (or none), never half of one. The result
-    carries ``OUTPUT_MARKER`` naming ``writer``; what is already there is replaced only when
-    ``check_output_dir`` allows it (checked again just before the rename)."""
+    """A scratch directory to write into (``scratch_directory``), put in place of ``directory``
+    when the block ends (``replace_directory``): a crash midway leaves the previous directory
+    (or none), never half of one. The result carries ``OUTPUT_MARKER`` naming ``writer``; what
+    is already there is replaced only when ``check_output_dir`` allows it (checked again just
+    before the swap). Only the scratch directory, and what it replaced, are ever removed."""
     directory = Path(directory)
     check_output_dir(directory, overwrite, flag)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp, old = directory.with_name(directory.name + ".tmp"), directory.with_name(directory.name + ".old")
-    _clear(tmp, flag)
-    tmp.mkdir()
-    (tmp / OUTPUT_MARKER).write_text(writer + "\n")
+    tmp = scratch_directory(directory)
     try:
+        (tmp / OUTPUT_MARKER).write_text(writer + "\n")
         yield tmp
         check_output_dir(directory, overwrite, flag)
+        replace_directory(tmp, directory)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _clear(old, flag)
-    if directory.exists():
-        os.replace(directory, old)
-    os.replace(tmp, directory)
-    shutil.rmtree(old, ignore_errors=True)
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 @contextmanager
 def atomic_file(path: Path, mode: str = "w") -> Iterator[IO]:
-    """``open(path, mode)`` on a temporary sibling that replaces ``path`` when the block ends
-    without an error (and is removed when it does not)."""
+    """``open(path, mode)`` on a scratch file unique to this call, which replaces ``path`` when
+    the block ends without an error (and is removed when it does not). A link at ``path`` is
+    replaced, never written through."""
     path = Path(path)
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    tmp = scratch_file(path)
     try:
+        tmp.chmod(0o666 & ~_umask())  # what open() would have made, not mkstemp's owner-only
         with open(tmp, mode) as f:
             yield f
         os.replace(tmp, path)
@@ -223,10 +409,11 @@ class RunLock:
     def _take_over(self, stale: dict) -> None:
         """Move the stale lock aside (one process wins the rename); a lock that turns out not to
         be the stale one (another run took it over first) is put back."""
-        aside = self.path.with_name(f"{RUN_LOCK}.stale-{os.getpid()}")
+        aside = scratch_file(self.path)
         try:
             os.replace(self.path, aside)
         except FileNotFoundError:
+            aside.unlink()
             return
         try:
             moved = json.loads(aside.read_text())

@@ -1,8 +1,10 @@
 """Resumable checkpoints in safetensors + JSON, never pickle, that a resume can trust.
 
-A checkpoint is written into ``checkpoint-N.tmp``; only after every rank has written its part
-does rank 0 write ``meta.json`` and rename the directory to ``checkpoint-N``. A crash at any
-moment leaves either a complete ``checkpoint-N`` or a ``.tmp`` directory that resume ignores.
+A checkpoint is written into ``checkpoint-N.tmp`` (marked as sparse-ft's when made); only after
+every rank has written its part does rank 0 write ``meta.json`` and swap the directory into
+``checkpoint-N``. A crash at any moment leaves either a complete ``checkpoint-N`` or a ``.tmp``
+directory that resume ignores. A directory by those names that carries neither ``meta.json`` nor
+the marker is not sparse-ft's and is never removed (``is_ours``).
 ``meta.json`` records every file's size and sha256 and its own checksum, so a resume refuses a
 checkpoint that a disk, a copy or a hand has damaged since, names the file, and falls back to
 the previous one.
@@ -12,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import shutil
 from pathlib import Path
@@ -23,9 +24,10 @@ from safetensors.torch import load_file, save
 
 from sparse_ft.config.schema import fail
 from sparse_ft.data.token_files import sha256_file
-from sparse_ft.files.outputs import fsync_dir, write_synced
+from sparse_ft.files.outputs import OUTPUT_MARKER, fsync_dir, replace_directory, write_synced
 from sparse_ft.train.engine import Engine
 
+WRITER = "sparse-ft train"  # the command named by the markers in a run's directories
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
 # a checkpoint's files, each named here only
 PREFIX = "checkpoint-"  # + the step: the directory
@@ -33,6 +35,8 @@ META = "meta.json"
 TRAINABLE = "trainable.safetensors"
 OPTIMIZER = "optimizer.safetensors"
 _NAME = re.compile(rf"^{PREFIX}(\d+)$")
+_TMP = re.compile(rf"^{PREFIX}(\d+)\.tmp$")
+_PART = re.compile(rf"^({re.escape(TRAINABLE)}|{re.escape(OPTIMIZER)}|{re.escape(META)}|rng-rank\d+\.safetensors)$")
 
 
 class CorruptCheckpoint(ValueError):
@@ -123,11 +127,11 @@ def save_checkpoint(engine: Engine, output_dir: Path, step: int, meta: dict, *, 
         seal(tmp, {**meta, "step": step, "optimizer_steps": engine.get_steps(), "world_size": engine.world_size,
                    "amp": engine.amp_state()}, files)
         fsync_dir(tmp)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
+        replace_directory(tmp, final)  # a checkpoint of this step that resume skipped (damaged) goes
+        (final / OUTPUT_MARKER).unlink()  # meta.json names it sparse-ft's now
         fsync_dir(output_dir)
     except OSError as err:
-        if engine.rank == 0:
+        if engine.rank == 0 and is_ours(tmp):
             shutil.rmtree(tmp, ignore_errors=True)  # frees what the failed write took
         steps = complete_checkpoints(output_dir)
         kept = f"the earlier checkpoints are intact (latest: {directory(output_dir, steps[-1]).name})" if steps else "no earlier checkpoint"
@@ -153,8 +157,10 @@ def _write_parts(engine: Engine, tmp: Path) -> None:
     if engine.agree([bad is not None])[0]:
         raise NonFiniteWeights(f"non-finite values in {bad or 'the weights (found on another rank)'}")
     if engine.rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if is_ours(tmp):  # a save a crash interrupted
+            shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
+        (tmp / OUTPUT_MARKER).write_text(WRITER + "\n")
     engine.barrier()
     rng = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -166,10 +172,34 @@ def _write_parts(engine: Engine, tmp: Path) -> None:
     engine.barrier()
 
 
+def is_ours(path: Path) -> bool:
+    """A checkpoint sparse-ft wrote: ``checkpoint-N`` with ``meta.json`` (damaged or not), or a
+    save in progress, ``checkpoint-N.tmp`` with the marker (or, from before saves marked theirs,
+    holding nothing but a checkpoint's files). A user's
+    ``checkpoint-best``, another trainer's ``checkpoint-500``: not. (A link to a checkpoint is
+    read through, never written through: it is replaced or removed as a link.)"""
+    if not path.is_dir():
+        return False
+    if _NAME.match(path.name):
+        return (path / META).is_file()
+    return bool(_TMP.match(path.name)) and ((path / OUTPUT_MARKER).is_file() or all(_PART.match(p.name) for p in path.iterdir()))
+
+
+def _named_like_ours(output_dir: Path) -> list[Path]:
+    """Everything in ``output_dir`` with a name a save writes, by step."""
+    found = [p for p in output_dir.glob(f"{PREFIX}*") if _NAME.match(p.name) or _TMP.match(p.name)] if output_dir.is_dir() else []
+    return sorted(found, key=lambda p: (int(re.sub(r"\D", "", p.name)), p.name))
+
+
 def checkpoint_dirs(output_dir: Path) -> list[Path]:
     """Every directory a run's checkpointing made (complete, half-written or ``.tmp``), by step."""
-    found = [p for p in output_dir.glob(f"{PREFIX}*") if p.is_dir()] if output_dir.is_dir() else []
-    return sorted(found, key=lambda p: (int(re.sub(r"\D", "", p.name) or 0), p.name))
+    return [p for p in _named_like_ours(output_dir) if is_ours(p)]
+
+
+def foreign_checkpoints(output_dir: Path) -> list[Path]:
+    """What has a checkpoint's name in ``output_dir`` but is not sparse-ft's: a save would
+    replace it."""
+    return [p for p in _named_like_ours(output_dir) if not is_ours(p)]
 
 
 def complete_checkpoints(output_dir: Path) -> list[int]:
@@ -235,20 +265,3 @@ def load_checkpoint(engine: Engine, path: Path) -> dict:
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state(rng["cuda"])
     return meta
-
-
-def claim_checkpoints(output_dir: Path, resume: str, overwrite: bool) -> None:
-    """A fresh run (``resume=never``) may only start beside an earlier run's checkpoints if the
-    recipe says ``train.overwrite_output_dir``; then those checkpoints, and nothing else, go."""
-    old = checkpoint_dirs(output_dir)
-    if resume != "never" or not old:
-        return
-    names = ", ".join(p.name for p in old)
-    if not overwrite:
-        raise ValueError(
-            f"train.resume=never: train.output_dir={output_dir} holds an earlier run's checkpoints ({names}); "
-            "resume it with train.resume=auto, choose another train.output_dir, or set train.overwrite_output_dir=true to delete them"
-        )
-    for path in old:
-        shutil.rmtree(path)
-    print(f"train.overwrite_output_dir: deleted {names} from {output_dir}", flush=True)

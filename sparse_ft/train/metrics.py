@@ -11,6 +11,9 @@ from pathlib import Path
 import torch
 
 WANDB_ID_FILE = "wandb_run_id"
+LOG_FILE = "log.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+WANDB_DIR = "wandb"  # where wandb.init(dir=output_dir) puts its files
 
 
 def peak_memory_mib(device: torch.device) -> float:
@@ -39,7 +42,7 @@ def _wandb_run(wandb, output_dir: Path, resumed: bool):
 
 class MetricLog:
     def __init__(self, output_dir: Path, report_to: list[str], history: list[dict]) -> None:
-        self.path = output_dir / "log.jsonl"
+        self.path = output_dir / LOG_FILE
         # a resumed run rewrites the log from the checkpoint: steps after it were never kept
         self.path.write_text("".join(json.dumps(r) + "\n" for r in history))
         self.tensorboard = self.wandb = None
@@ -48,7 +51,7 @@ class MetricLog:
 
             # purge_step drops the events written after the checkpoint resumed from (by a killed
             # run, or, when starting afresh, by an earlier run whose checkpoints were overwritten)
-            self.tensorboard = SummaryWriter(str(output_dir / "tensorboard"), purge_step=len(history) + 1)
+            self.tensorboard = SummaryWriter(str(output_dir / TENSORBOARD_DIR), purge_step=len(history) + 1)
         if "wandb" in report_to:
             try:
                 import wandb

@@ -15,6 +15,8 @@ from sparse_ft.methods import Method
 from sparse_ft.modeling.model_io import DTYPES
 from sparse_ft.modeling.tiny import is_built_in
 
+BASE_DIR = "base-model"  # in train.output_dir: the built-in tiny model, written once as a checkpoint
+
 _KEEP_ALIVE: list = []  # transformers reads the ZeRO-3 config through a weak global reference
 
 
@@ -30,7 +32,7 @@ def training_method(recipe: Recipe) -> Method:
 
 def base_model_path(recipe: Recipe) -> str:
     if is_built_in(recipe.model.name_or_path):
-        return str(Path(recipe.train.output_dir) / "base-model")
+        return str(Path(recipe.train.output_dir) / BASE_DIR)
     return recipe.model.name_or_path
 
 

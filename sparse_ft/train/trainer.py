@@ -21,8 +21,8 @@ from sparse_ft.config import Recipe, format_recipe, save_resolved
 from sparse_ft.data.packing import build_train_dataset
 from sparse_ft.modeling.model_io import load_tokenizer, materialize_tiny
 from sparse_ft.files.outputs import RunLock
-from sparse_ft.train import checkpoint, sequence_parallel
-from sparse_ft.train.checkpoint import NonFiniteWeights, claim_checkpoints
+from sparse_ft.train import checkpoint, run_directory, sequence_parallel
+from sparse_ft.train.checkpoint import NonFiniteWeights
 from sparse_ft.train.adapter import save_adapter
 from sparse_ft.train.deepspeed import DeepSpeedEngine, resolve_deepspeed_config
 from sparse_ft.train.distributed import init_distributed
@@ -149,13 +149,13 @@ class Trainer:
         self.resume_from = None if step < 0 else Path(resume) if resume != "auto" else checkpoint.directory(self.out, step)
 
     def _take_output_dir(self) -> int:
-        """Rank 0: lock the directory, keep a fresh run from an earlier run's checkpoints, pick
-        the checkpoint to resume (verified) and check it was written with this recipe, all
+        """Rank 0: claim and lock the directory, refuse what the run would lose there (an
+        earlier run's checkpoints and results, links, files not sparse-ft's), pick the checkpoint to resume (verified) and check it was written with this recipe, all
         before the resolved recipe and the tiny base are written. Returns its step, or -1."""
         t = self.recipe.train
-        self.out.mkdir(parents=True, exist_ok=True)
+        run_directory.take(self.out)
         self.lock.acquire()
-        claim_checkpoints(self.out, t.resume, t.overwrite_output_dir)
+        run_directory.claim(self.out, t.resume, t.overwrite_output_dir)
         found = checkpoint.find_resume(self.out, t.resume)
         meta = checkpoint.read_meta(found) if found is not None else None
         if meta is not None:
@@ -330,8 +330,8 @@ class Trainer:
 
     def save(self) -> dict:
         """The probe logits, the adapter and the summary."""
-        write_probe(self.engine, self.dataset[0]["input_ids"][:128], self.device, self.out / "adapter_probe.safetensors")
-        adapter_dir = save_adapter(self.engine, self.out / "adapter", self.recipe, self.base, tokenizer=self.tokenizer)
+        write_probe(self.engine, self.dataset[0]["input_ids"][:128], self.device, self.out / run_directory.PROBE)
+        adapter_dir = save_adapter(self.engine, self.out / run_directory.ADAPTER, self.recipe, self.base, tokenizer=self.tokenizer)
         summary = self.summary({"adapter": str(adapter_dir)})
         if self.rank == 0:
             print(f"adapter saved to {adapter_dir}", flush=True)
@@ -346,7 +346,7 @@ class Trainer:
         summary = {"steps": self.steps, "final_loss": history[-1]["loss"] if history else None, **saved,
                    "world_size": self.world, "history": history}
         if self.rank == 0:
-            (self.out / "train_summary.json").write_text(json.dumps(summary, indent=1))
+            (self.out / run_directory.SUMMARY).write_text(json.dumps(summary, indent=1))
         return summary
 
 
