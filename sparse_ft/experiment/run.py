@@ -192,7 +192,8 @@ class Runner:
         from sparse_ft.train.trainer import train
 
         stamp = run_dir / "experiment_train.json"
-        key = _row_key("train", recipe.to_dict())
+        # the base is named by path in the recipe: its content decides too (a re-pretrained base)
+        key = _row_key("train", {"recipe": recipe.to_dict(), "base_sha": _file_sha(Path(self.cfg.base) / "model.safetensors")})
         if stamp.is_file():
             done = json.loads(stamp.read_text())
             if done["key"] == key and Path(done["summary"]["adapter"], "adapter_config.json").is_file():
