@@ -14,16 +14,30 @@ keys from the data, so it is no pattern (``attn_patterns.algorithm``). This pack
 neither transformers nor ``sparse_ft``: the model glue is ``sparse_ft.methods``.
 """
 
-from attn_patterns.algorithm import ALGORITHMS, Algorithm
-from attn_patterns.base import PATTERNS, Pattern, register
-
-# the modules whose patterns and algorithms register themselves on import
-from attn_patterns import patterns as _patterns  # noqa: E402,F401
-from attn_patterns import dca as _dca  # noqa: E402,F401
-from attn_patterns import longheads as _longheads  # noqa: E402,F401
-
-get, names, build = PATTERNS.get, PATTERNS.names, PATTERNS.build
-get_algorithm, algorithm_names = ALGORITHMS.get, ALGORITHMS.names
-
 __all__ = ["ALGORITHMS", "PATTERNS", "Algorithm", "Pattern", "algorithm_names", "build", "get", "get_algorithm", "names",
            "register"]
+
+
+def _load() -> None:
+    """The public names, and every pattern and algorithm registered. Loaded on first use
+    (PEP 562) rather than on import: ``attn_patterns.registry`` alone imports no torch, so a
+    layer that only keeps a registry (the evaluation tasks, whose command line answers
+    ``--help`` without torch) can own one."""
+    from attn_patterns.algorithm import ALGORITHMS, Algorithm
+    from attn_patterns.base import PATTERNS, Pattern, register
+
+    # the modules whose patterns and algorithms register themselves on import
+    from attn_patterns import patterns as _patterns  # noqa: F401
+    from attn_patterns import dca as _dca  # noqa: F401
+    from attn_patterns import longheads as _longheads  # noqa: F401
+
+    globals().update(ALGORITHMS=ALGORITHMS, Algorithm=Algorithm, PATTERNS=PATTERNS, Pattern=Pattern, register=register,
+                     get=PATTERNS.get, names=PATTERNS.names, build=PATTERNS.build, get_algorithm=ALGORITHMS.get,
+                     algorithm_names=ALGORITHMS.names)
+
+
+def __getattr__(name: str):
+    if name in __all__:
+        _load()
+        return globals()[name]
+    raise AttributeError(f"module 'attn_patterns' has no attribute {name!r}")

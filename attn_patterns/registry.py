@@ -73,10 +73,16 @@ class Registry(Generic[T]):
     def parameters(self, name: str) -> list[str]:
         return list(inspect.signature(self._factories[name]).parameters)
 
-    def get(self, name: str, **params: Any) -> T:
-        """Build ``name``; unknown names or parameters raise ValueError listing what exists."""
+    def factory(self, name: str) -> Callable[..., T]:
+        """The registered factory itself: a class whose class attributes say more than building
+        one does (an evaluation task's command-line flags)."""
         if name not in self._factories:
             raise ValueError(f"{self.kind}={name!r} is unknown; allowed: {', '.join(sorted(self._factories))}")
+        return self._factories[name]
+
+    def get(self, name: str, **params: Any) -> T:
+        """Build ``name``; unknown names or parameters raise ValueError listing what exists."""
+        self.factory(name)
         allowed = self.parameters(name)
         unknown = sorted(set(params) - set(allowed))
         if unknown:

@@ -86,3 +86,30 @@ def test_a_changed_method_default_is_a_new_row(experiment, monkeypatch):
     monkeypatch.setattr(attn_patterns.dca.DualChunkAttention.__init__, "__kwdefaults__", changed)
     Runner(ExperimentConfig(**{**cfg.__dict__, "patterns": [], "free_methods": ["dca_intra"]})).run()
     assert (rows / "dca_intra.json").stat().st_mtime_ns != before
+
+
+def test_replot_redraws_only_the_plots(experiment, tmp_path, capsys):
+    """The plots are redrawn from results.json alone: the tables and results stay byte for byte,
+    and a folder without results refuses in one line."""
+    from sparse_ft.cli import main
+    from sparse_ft.files.outputs import written_by
+
+    cfg, _ = experiment
+    out = Path(cfg.output)
+    kept = {name: (out / name).read_bytes() for name in ("results.json", "tables.md")}
+    pngs = sorted(p.name for p in out.glob("*.png"))
+    before = {name: (out / name).stat().st_mtime_ns for name in pngs}
+    capsys.readouterr()
+    assert main(["experiment", "--output", str(out), "--replot"]) == 0
+    drawn = [line.removeprefix("wrote ") for line in capsys.readouterr().out.splitlines()]
+    rows = json.loads(kept["results.json"])["rows"]  # the last run's rows: earlier tests ran other settings here
+    expected = {"ppl_vs_length.png"} | {f"passkey_ft_{r['pattern']}.png" if r["kind"] == "fine-tuned" else
+                                        f"passkey_free_{r['name']}.png" for r in rows}
+    assert sorted(Path(p).name for p in drawn) == sorted(expected)
+    assert {name: (out / name).read_bytes() for name in kept} == kept
+    assert sorted(p.name for p in out.glob("*.png")) == pngs
+    assert all(Path(p).stat().st_mtime_ns != before[Path(p).name] for p in drawn)
+    assert written_by(out / "ppl_vs_length.png") == "sparse-ft"
+    assert main(["experiment", "--output", str(tmp_path / "empty"), "--replot"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "holds no results.json" in err

@@ -42,7 +42,7 @@ def token_ids(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def _leading_specials(tokenizer) -> list[int]:
+def leading_specials(tokenizer) -> list[int]:
     """The BOS (or similar) the tokenizer puts in front of a text, if it does; never the EOS
     some tokenizers append, which would end the prompt."""
     plain = token_ids(tokenizer, "a")
@@ -65,7 +65,7 @@ def build_prompt(tokenizer, length: int, depth: float, key: str) -> Prompt:
     """A prompt of exactly ``length`` tokens with the needle after ``depth`` (0..1) of the filler."""
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"needle depth={depth} must be within [0, 1]")
-    head = _leading_specials(tokenizer) + token_ids(tokenizer, TASK + "\n")
+    head = leading_specials(tokenizer) + token_ids(tokenizer, TASK + "\n")
     hidden = token_ids(tokenizer, "\n" + needle(key) + "\n")
     question = token_ids(tokenizer, "\n" + QUESTION)
     room = length - len(head) - len(hidden) - len(question)

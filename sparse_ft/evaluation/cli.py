@@ -1,4 +1,5 @@
-"""``sparse-ft eval ppl | passkey | plot``.
+"""``sparse-ft eval TASK | plot``: every task of ``sparse_ft.evaluation.tasks`` (perplexity,
+passkey retrieval, RULER's synthetic tasks and their suite) through one path.
 
 Everything that can be checked without the model is checked first (flags, method, data file,
 that every output path can be written), so a mistake costs seconds, not a whole evaluation.
@@ -15,17 +16,7 @@ from pathlib import Path
 from sparse_ft.config.keyvalue import parse_assignments
 from sparse_ft.modeling.dtypes import NAMES as DTYPES
 
-HELP = "perplexity and passkey retrieval of a model, an adapter or a training-free method"
-
-
-def _ints(text: str, flag: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x]
-    except ValueError:
-        raise ValueError(f"{flag} {text!r} must be a comma-separated list of integers") from None
-    if not values or min(values) < 1:
-        raise ValueError(f"{flag} {text!r} must list positive integers")
-    return values
+HELP = "perplexity, passkey retrieval and RULER's tasks of a model, an adapter or a training-free method"
 
 
 def _method_args(items: list[str]) -> dict:
@@ -54,34 +45,15 @@ def _overwrite_flag(p: argparse.ArgumentParser) -> None:
 
 
 def configure(ev: argparse.ArgumentParser) -> None:
-    which = ev.add_subparsers(dest="eval", required=True, metavar="KIND")
-    p = which.add_parser("ppl", help="sliding-window perplexity at several lengths", description="sliding-window "
-                         "perplexity at several lengths (docs/evaluation.md says exactly which tokens are scored)")
-    _model_flags(p)
-    p.add_argument("--data", required=True, help=".bin token file (with its .json sidecar), a text/jsonl/json/parquet "
-                   "file or directory (any other file is read as UTF-8 text), or an HF dataset id")
-    p.add_argument("--data-dtype", default=None, choices=["uint16", "uint32"],
-                   help=".bin token width (default: from the file's JSON sidecar, else uint16)")
-    p.add_argument("--split", default="validation", help="split of an HF dataset id")
-    p.add_argument("--text-column", default="text", help="column holding the text (jsonl/json/parquet, HF datasets)")
-    p.add_argument("--lengths", default="1024,2048,4096,8192", help="window lengths (comma list)")
-    p.add_argument("--stride", type=int, default=256, help="window step")
-    p.add_argument("--scoring", default="standard", choices=["standard", "longlora"],
-                   help="standard: every token once; longlora: LongLoRA eval.py's numbers")
-    p.add_argument("--max-tokens", type=int, default=None, help="use only the first N tokens of --data (default: all)")
-    p.add_argument("--num-windows", type=int, default=None, help="at most N windows per length (default: all)")
-    p.add_argument("--batch-size", type=int, default=1, help="windows per forward")
-    p.add_argument("--plot", type=Path, default=None, help="PPL-vs-length PNG (default: none)")
-    p.set_defaults(func=run_ppl)
-    k = which.add_parser("passkey", help="passkey retrieval over lengths x needle depths",
-                         description="passkey retrieval over lengths x needle depths (landmark attention's prompt)")
-    _model_flags(k)
-    k.add_argument("--lengths", default="1024,2048,4096,8192", help="prompt lengths in the model's tokens (comma list)")
-    k.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="needle depths in [0, 1] (comma list)")
-    k.add_argument("--trials", type=int, default=5, help="random keys per cell, the same keys in every cell")
-    k.add_argument("--seed", type=int, default=0, help="seed of the keys")
-    k.add_argument("--heatmap", type=Path, default=None, help="accuracy heatmap PNG (default: none)")
-    k.set_defaults(func=run_passkey)
+    from sparse_ft.evaluation import tasks
+
+    which = ev.add_subparsers(dest="eval", required=True, metavar="TASK")
+    for name in tasks.names():
+        task = tasks.TASKS.factory(name)
+        p = which.add_parser(name, help=task.summary, description=task.description or task.summary)
+        _model_flags(p)
+        task.configure(p)
+        p.set_defaults(func=run_task)
     g = which.add_parser("plot", help="PPL vs length, one line per results file",
                          description="PPL vs length, one line per results file of eval ppl --output")
     g.add_argument("results", nargs="+", type=Path, help="results JSON files of eval ppl --output")
@@ -119,22 +91,49 @@ def _model_inputs(args) -> dict:
     return {"--model": None if is_built_in(args.model) else args.model, "--adapter": args.adapter}
 
 
-def _load(args, method, tokenizer: bool = True):
+def _check_markdown(args, inputs: dict) -> Path:
+    """The markdown table written beside ``--output``, checked as the JSON is."""
+    from sparse_ft.files.outputs import check_apart, check_output_file
+
+    if args.output.suffix == ".md":
+        raise ValueError(f"--output {args.output} names the results JSON; its markdown table is written beside it as "
+                         f"{args.output.with_suffix('.md').name}: name it {args.output.with_suffix('.json').name}")
+    markdown = args.output.with_suffix(".md")
+    check_apart(markdown, "--output", inputs)
+    check_output_file(markdown, "--output", args.overwrite)
+    return markdown
+
+
+def _load(args, method, tokenizer: bool = True, before_weights=None):
     """The model and tokenizer; says what the method reads from the model's config."""
     from sparse_ft.modeling.attention import pretrained
     from sparse_ft.evaluation import loading
 
     model, tok = loading.load(args.model, args.adapter, args.dtype, args.load_in_4bit, load_in_8bit=args.load_in_8bit,
                               compute_dtype=args.bnb_compute_dtype, trust_remote_code=args.trust_remote_code,
-                              device=args.device, tokenizer=tokenizer)
+                              device=args.device, tokenizer=tokenizer, before_weights=before_weights)
     said = method.describe(pretrained(model).config)
     if said:
         print(said)
     return model, tok
 
 
+QUANTISED = {"load_in_4bit": "NF4", "load_in_8bit": "LLM.int8"}
+
+
 def _label(args) -> str:
-    return args.label or args.method + (f" + {Path(args.adapter).name}" if args.adapter else "")
+    """The run's name in tables and plots: the method, the adapter, and the quantisation (an NF4
+    run is not the model in full precision)."""
+    if args.label:
+        return args.label
+    bits = [name for flag, name in QUANTISED.items() if getattr(args, flag)]
+    return args.method + (f" + {Path(args.adapter).name}" if args.adapter else "") + "".join(f" ({b})" for b in bits)
+
+
+def _model_name(args) -> str:
+    from sparse_ft.evaluation.report import model_name
+
+    return model_name(args.model)
 
 
 def _config(args, model) -> dict:
@@ -150,77 +149,52 @@ def _config(args, model) -> dict:
                                  "torch": torch.__version__, "transformers": transformers.__version__}
 
 
-def run_ppl(args) -> int:
-    from sparse_ft.evaluation import plots, ppl, report, tokens
+def run_task(args) -> int:
+    """Any registered task: flags, method and outputs checked, then what needs only the
+    tokenizer (a prompt too long for a length fails here), then the weights, the evaluation,
+    the table, the results JSON and markdown, the picture."""
+    from sparse_ft.evaluation import tasks
 
-    lengths = _ints(args.lengths, "--lengths")
-    if args.stride < 1:
-        raise ValueError(f"--stride {args.stride} must be >= 1")
-    for flag in ("max_tokens", "num_windows", "batch_size"):
-        value = getattr(args, flag)
-        if value is not None and value < 1:
-            raise ValueError(f"--{flag.replace('_', '-')} {value} must be >= 1")
+    task = tasks.TASKS.factory(args.eval).from_args(args)
     method = _method(args)
-    if not method.supports.ppl:
-        raise ValueError(f"--method {args.method} cannot report perplexity: {method.supports.no_ppl_reason}")
-    _check_outputs(args, {**_model_inputs(args), "--data": args.data}, "output", "plot")
-    is_token_file = tokens.check_data(args.data)
-    model, tokenizer = _load(args, method, tokenizer=not is_token_file)
-    vocab = model.get_output_embeddings().weight.shape[0]
-    stream = tokens.load_tokens(args.data, tokenizer, vocab, args.data_dtype, split=args.split,
-                                text_column=args.text_column, max_tokens=args.max_tokens)
-    too_long = [n for n in lengths if n > len(stream)]
-    if too_long:
-        raise ValueError(f"--lengths {','.join(map(str, too_long))} longer than the {len(stream)} tokens of --data (lower it or add data)")
-    results = [ppl.evaluate_length(model, stream, n, args.stride, scoring=args.scoring, method=method,
-                                   batch_size=args.batch_size, max_windows=args.num_windows)
-               for n in lengths]
+    task.check_method(method)
+    pictures = (task.picture,) if task.picture else ()
+    inputs = {**_model_inputs(args), **task.inputs()}
+    _check_outputs(args, inputs, "output", *pictures)
+    if args.output is not None:
+        _check_markdown(args, inputs)
+    model, tokenizer = _load(args, method, tokenizer=task.needs_tokenizer(), before_weights=task.prepare)
+    rows = task.evaluate(model, tokenizer, method)
     label = _label(args)
-    _emit(args, model, label, report.ppl_table(results, label), results=results)
-    if args.plot:
-        print(f"wrote {plots.plot_ppl([(label, results)], args.plot, writer=_writer(args))}")
+    _emit(args, model, label, task.table(rows, label), results=rows, summary=task.summary_of(rows))
+    picture = getattr(args, task.picture) if task.picture else None
+    if picture is not None:
+        print(f"wrote {task.draw(rows, picture, label=label, model=_model_name(args), writer=_writer(args))}")
     return 0
 
 
-def _emit(args, model, label: str, table: str, *, results: list) -> None:
-    """The markdown table on stdout and, with --output, the results JSON with the full configuration."""
+def _emit(args, model, label: str, table: str, *, results: list, summary: dict) -> None:
+    """The markdown table on stdout and, with --output, the results JSON with the full
+    configuration and beside it the table as markdown (title, command, table)."""
     from sparse_ft.evaluation import report
     from sparse_ft.files.outputs import OUTPUT_FIELD
 
     print(table)
     if args.output:
-        payload = {OUTPUT_FIELD: _writer(args), "label": label, "results": results, "config": _config(args, model)}
+        payload = {OUTPUT_FIELD: _writer(args), "label": label, "results": results, **({"summary": summary} if summary else {}),
+                   "config": _config(args, model)}
         report.write_json(args.output, payload)
-        print(f"wrote {args.output}")
-
-
-def run_passkey(args) -> int:
-    from sparse_ft.evaluation import passkey, plots, report
-
-    lengths = _ints(args.lengths, "--lengths")
-    try:
-        depths = [float(x) for x in args.depths.split(",") if x]
-    except ValueError:
-        depths = []
-    if not depths or not all(0 <= d <= 1 for d in depths):
-        raise ValueError(f"--depths {args.depths!r} must be a comma-separated list of numbers in [0, 1]")
-    if args.trials < 1:
-        raise ValueError(f"--trials {args.trials} must be >= 1")
-    method = _method(args)
-    _check_outputs(args, _model_inputs(args), "output", "heatmap")
-    model, tokenizer = _load(args, method)
-    cells = passkey.evaluate(model, tokenizer, lengths, depths, trials=args.trials, method=method, seed=args.seed)
-    label = _label(args)
-    _emit(args, model, label, report.passkey_table(cells), results=cells)
-    if args.heatmap:
-        print(f"wrote {plots.plot_passkey(cells, args.heatmap, f'passkey retrieval: {label}', writer=_writer(args))}")
-    return 0
+        markdown = report.write_markdown(args.output.with_suffix(".md"), f"{_writer(args)}: {_model_name(args)}, {label}",
+                                         table, command=getattr(args, "command_line", None), writer=_writer(args))
+        print(f"wrote {args.output} and {markdown}")
 
 
 def run_plot(args) -> int:
     from sparse_ft.evaluation import plots, report
 
-    series = [report.read_ppl(path) for path in args.results]
+    runs = [report.read_ppl(path) for path in args.results]
     _check_outputs(args, {f"results file {index}": path for index, path in enumerate(args.results, 1)}, "output")
-    print(f"wrote {plots.plot_ppl(series, args.output, writer=_writer(args))}")
+    models = sorted({model for _, _, model in runs if model})
+    title = f"perplexity: {', '.join(models)}" if models else ""
+    print(f"wrote {plots.plot_ppl([(label, rows) for label, rows, _ in runs], args.output, title=title, writer=_writer(args))}")
     return 0

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -30,10 +30,12 @@ def default_device() -> str:
 
 def load(model: str, adapter: Optional[str] = None, dtype: str = "float32", load_in_4bit: bool = False,
          *, load_in_8bit: bool = False, compute_dtype: str = "float32", trust_remote_code: bool = False,
-         device: Optional[str] = None, tokenizer: bool = True):
+         device: Optional[str] = None, tokenizer: bool = True,
+         before_weights: Optional[Callable[[Any], None]] = None):
     """Returns ``(model, tokenizer)`` in eval mode; with ``tokenizer=False`` the tokenizer is
     None (token files need none, and a model directory may hold none). The tokenizer loads
-    first: a missing one fails in a second, not after the weights. Every failure is a one-line
+    first: a missing one fails in a second, not after the weights, and so does
+    ``before_weights(tokenizer)`` (a task building its prompts). Every failure is a one-line
     ValueError or FileNotFoundError naming the flag."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -47,6 +49,8 @@ def load(model: str, adapter: Optional[str] = None, dtype: str = "float32", load
     bits = check_quantization(load_in_4bit, load_in_8bit, compute_dtype)
     tok = _tokenizer(model, adapter, path, trust_remote_code) if tokenizer else None
     device = _check_device(device or default_device())
+    if before_weights is not None:
+        before_weights(tok)
     kwargs: dict[str, Any] = {"dtype": DTYPES[dtype], "trust_remote_code": trust_remote_code, "device_map": device}
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)

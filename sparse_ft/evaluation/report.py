@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from sparse_ft.files.outputs import atomic_file
+from typing import Optional
+
+from sparse_ft.files.outputs import atomic_file, markdown_marker
 
 
 def write_json(path: Path, payload: dict) -> None:
@@ -14,8 +16,25 @@ def write_json(path: Path, payload: dict) -> None:
         f.write(json.dumps(payload, indent=1))
 
 
-def read_ppl(path: Path) -> tuple[str, list[dict]]:
-    """``(label, results)`` of a file written by ``eval ppl --output``."""
+def write_markdown(path: Path, title: str, table: str, *, command: Optional[str], writer: str) -> Path:
+    """A results table as a markdown file: title, the command that made it, the table, and the
+    marker naming ``writer`` (so that only sparse-ft ever replaces it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    made = f"Command: `{command}`\n\n" if command else ""
+    with atomic_file(path) as f:
+        f.write(f"# {title}\n\n{made}{table}\n\n{markdown_marker(writer)}\n")
+    return path
+
+
+def model_name(model: str) -> str:
+    """A model as titles name it: a local directory by its name, an HF id (or ``tiny``) whole."""
+    path = Path(model).expanduser()
+    return path.resolve().name if path.is_dir() else model
+
+
+def read_ppl(path: Path) -> tuple[str, list[dict], Optional[str]]:
+    """``(label, results, model)`` of a file written by ``eval ppl --output`` (``model`` as
+    :func:`model_name` gives it; None if the file does not say)."""
     if not Path(path).is_file():
         raise FileNotFoundError(f"results file {path} does not exist")
     try:
@@ -25,7 +44,8 @@ def read_ppl(path: Path) -> tuple[str, list[dict]]:
             raise KeyError("length/ppl")
     except (json.JSONDecodeError, KeyError, TypeError):
         raise ValueError(f"{path} is not a results file of `sparse-ft eval ppl --output`") from None
-    return payload.get("label") or Path(path).stem, rows
+    model = (payload.get("config") or {}).get("model")
+    return payload.get("label") or Path(path).stem, rows, model_name(model) if isinstance(model, str) else None
 
 
 def ppl_table(results: list[dict], label: str = "") -> str:

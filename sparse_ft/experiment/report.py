@@ -105,17 +105,33 @@ def write_report(results: dict, out: Path) -> None:
     write_json(out / "results.json", results)
     with atomic_file(out / "tables.md") as f:
         f.write(tables(results))
-    series = []
+    draw(results, out)
+    print(f"wrote {out / 'results.json'}, {out / 'tables.md'} and plots")
+
+
+def draw(results: dict, out: Path) -> list[Path]:
+    """Every plot of ``results`` into ``out``: PPL vs length, a passkey heatmap per row. Titles
+    name the base and what each row did; the tables are not touched, so plots can be redrawn
+    from a finished ``results.json`` (``sparse-ft experiment --replot``)."""
+    out, cfg = Path(out), results["config"]
+    base, context, target = Path(cfg["base"]).name, results["context"], results["target"]
+    rope = ROPE_NAMES[cfg.get("rope_method", "linear")]
+    seeds = f"mean of seeds {', '.join(map(str, cfg['seeds']))}"
+    drawn, series = [], []
     for pattern, group in _by_pattern(results["rows"]).items():
         lengths = sorted(_ppl(group[0]))
         series.append((f"{pattern} (FT)", [{"length": n, "ppl": mean(_ppl(r)[n] for r in group)} for n in lengths]))
-        plot_passkey(_mean_cells(group), out / f"passkey_ft_{pattern}.png", f"passkey after fine-tuning: {pattern}")
-    for row in results["rows"]:
-        if row["kind"] == "training-free":
-            if row["ppl"]:
-                series.append((row["name"], row["ppl"]))
-            plot_passkey(row["passkey"], out / f"passkey_free_{row['name']}.png", f"passkey, training-free: {row['name']}")
+        drawn.append(plot_passkey(_mean_cells(group), out / f"passkey_ft_{pattern}.png",
+                                  f"passkey, {base} fine-tuned to {target} ({rope} + LoRA+)\nthrough {pattern}, {seeds}"))
+    free = [r for r in results["rows"] if r["kind"] == "training-free"]
+    for row in free:
+        if row["ppl"]:
+            series.append((row["name"], row["ppl"]))
+        drawn.append(plot_passkey(row["passkey"], out / f"passkey_free_{row['name']}.png",
+                                  f"passkey, {base} (context {context}), training-free: {row['name']}"))
     if series:
-        free = [r["name"] for r in results["rows"] if r["kind"] == "training-free"]
-        plot_ppl(series, out / "ppl_vs_length.png", dashed=free)
-    print(f"wrote {out / 'results.json'}, {out / 'tables.md'} and plots")
+        parts = ([f"fine-tuned to {target} ({rope} + LoRA+, {seeds}), solid"] if _by_pattern(results["rows"]) else [])
+        parts += ["training-free on the base, broken lines"] if free else []
+        title = f"{base} (pretrained at {context} tokens): perplexity vs length\n" + "; ".join(parts)
+        drawn.append(plot_ppl(series, out / "ppl_vs_length.png", dashed=[r["name"] for r in free], title=title))
+    return drawn

@@ -107,16 +107,23 @@ def _row_key(kind: str, settings: dict) -> str:
 
 def evaluate(model, tokenizer, method, val, *, context: int, ppl_lengths: list[int], passkey_lengths: list[int],
              cfg: ExperimentConfig) -> dict:
-    from sparse_ft.evaluation import passkey, ppl
+    """Every row's evaluation, through the task registry ``eval`` runs too."""
+    from sparse_ft.evaluation import tasks
 
     out: dict[str, Any] = {"ppl": [], "passkey": []}
     if method.supports.ppl:
-        out["ppl"] = [ppl.evaluate_length(model, val, n, context, scoring="standard", method=method, batch_size=1,
-                                          max_windows=cfg.ppl_windows) for n in ppl_lengths]
-    cells = passkey.evaluate(model, tokenizer, passkey_lengths, cfg.passkey_depths, trials=cfg.passkey_trials,
-                             method=method, seed=0)
+        out["ppl"] = _ppl(val, ppl_lengths, context, cfg).evaluate(model, tokenizer, method)
+    cells = tasks.get("passkey", lengths=passkey_lengths, depths=cfg.passkey_depths, trials=cfg.passkey_trials,
+                      seed=0).evaluate(model, tokenizer, method)
     out["passkey"] = [{k: c[k] for k in ("length", "depth", "accuracy", "trials", "outputs", "keys")} for c in cells]
     return out
+
+
+def _ppl(val, lengths: list[int], context: int, cfg: ExperimentConfig):
+    """Standard sliding-window PPL of the validation tokens, stride = the base's context."""
+    from sparse_ft.evaluation import tasks
+
+    return tasks.get("ppl", lengths=lengths, data=val, stride=context, max_windows=cfg.ppl_windows)
 
 
 class Runner:
@@ -210,7 +217,7 @@ class Runner:
 
     def fine_tuned(self, pattern: str, seed: int, val) -> dict:
         from sparse_ft import methods
-        from sparse_ft.evaluation import loading, ppl
+        from sparse_ft.evaluation import loading
 
         name = f"{pattern}-seed{seed}"
         run_dir = Path(self.cfg.runs) / name
@@ -229,9 +236,7 @@ class Runner:
                           passkey_lengths=passkey_lengths, cfg=self.cfg)
         # the same model through the pattern it was trained with: separates "learned the
         # longer context" from "carries over to full attention", which the papers assume
-        own = ppl.evaluate_length(model, val, self.target, self.context, scoring="standard",
-                                  method=methods.get(pattern), batch_size=1,
-                                  max_windows=self.cfg.ppl_windows)
+        own = _ppl(val, [self.target], self.context, self.cfg).evaluate(model, tokenizer, methods.get(pattern))[0]
         return self._write({"name": name, "kind": "fine-tuned", "pattern": pattern, "seed": seed, "key": key,
                             "train_seconds": train_seconds, "eval_seconds": time.perf_counter() - began,
                             "final_loss": summary["final_loss"], "loss_curve": [h["loss"] for h in summary["history"]],
@@ -277,6 +282,19 @@ class Runner:
         return results
 
 
+def replot(output: Path) -> int:
+    """Redraw the plots of a finished experiment from its results.json."""
+    from sparse_ft.experiment.report import draw
+    from sparse_ft.files.outputs import claim_directory
+
+    if not (output / "results.json").is_file():
+        raise FileNotFoundError(f"--output {output} holds no results.json of a finished experiment to redraw")
+    claim_directory(output, WRITER, "--output", legacy=lambda found: (found / "rows").is_dir())
+    for path in draw(json.loads((output / "results.json").read_text()), output):
+        print(f"wrote {path}")
+    return 0
+
+
 def _file_sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
@@ -306,6 +324,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--free-methods", type=_list(str), default=None,
                    help="training-free rows (default: every registered training-free method and its ablations)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--replot", action="store_true", help="only redraw the plots of --output from its results.json "
+                   "(no training, no evaluation; results.json and tables.md stay as they are)")
     p.set_defaults(func=run)
 
 
@@ -329,6 +349,8 @@ def run(args) -> int:
             raise ValueError(f"--threads {args.threads} must be >= 1")
         torch.set_num_threads(args.threads)
     cfg = config_from_args(args)
+    if args.replot:
+        return replot(Path(cfg.output))
     results = Runner(cfg).run()
     print((Path(cfg.output) / "tables.md").read_text())
     print(f"wrote {cfg.output} in {results['wall_seconds']:.0f} s")
