@@ -83,7 +83,7 @@ class TrainSection:
     resume: str = "auto"  # auto | never | a checkpoint directory
     # with resume=never: delete the checkpoint-* directories an earlier run left in output_dir (nothing else)
     overwrite_output_dir: bool = False
-    resume_allow_changes: list[str] = field(default_factory=list)  # RESUME_KEYS a resume may find changed
+    resume_allow_changes: list[str] = field(default_factory=list)  # RESUME_KEYS (or world_size) a resume may find changed
     report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
 
 
@@ -126,6 +126,8 @@ RESUME_KEYS = ("model.name_or_path", "model.dtype", "model.target_length", "mode
                "train.scheduler", "train.min_lr_ratio", "train.warmup_steps", "train.max_steps", "train.num_epochs",
                "train.per_device_batch_size", "train.gradient_accumulation_steps", "train.sequence_parallel_size",
                "train.max_grad_norm")
+# not a recipe key: the number of processes a checkpoint was written by, which a resume may also be allowed to change
+WORLD_SIZE = "world_size"
 
 
 class BadInput(ValueError):
@@ -227,8 +229,8 @@ def _check_output_dir(recipe: Recipe) -> None:
     if train.overwrite_output_dir and train.resume != "never":
         fail("train.overwrite_output_dir", True, f"only applies with train.resume=never (a fresh run), not {train.resume!r}")
     for key in train.resume_allow_changes:
-        if key not in RESUME_KEYS:
-            fail("train.resume_allow_changes", train.resume_allow_changes, f"entries allowed: {', '.join(RESUME_KEYS)}")
+        if key not in (*RESUME_KEYS, WORLD_SIZE):
+            fail("train.resume_allow_changes", train.resume_allow_changes, f"entries allowed: {', '.join((*RESUME_KEYS, WORLD_SIZE))}")
 
 
 def _check_data(recipe: Recipe) -> None:

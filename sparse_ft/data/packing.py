@@ -43,6 +43,11 @@ class TokenBlocks(torch.utils.data.Dataset):
         ids = torch.from_numpy(np.array(self.samples[index], dtype=np.int64))
         return {"input_ids": ids, "labels": ids}
 
+    def sha256(self) -> str:
+        """The samples' content, which a checkpoint records so that a resume on other data is
+        refused (``sparse_ft.train.fingerprint.check_data``)."""
+        return hashlib.sha256(np.ascontiguousarray(self.samples).data).hexdigest()
+
 
 class PackedDataset(TokenBlocks):
     """Fixed-length samples read from the cache by memory map."""
@@ -51,6 +56,11 @@ class PackedDataset(TokenBlocks):
         tokens = np.memmap(path, dtype=np.int32, mode="r")
         super().__init__(tokens[: len(tokens) // seq_len * seq_len].reshape(-1, seq_len))
         self.path, self.seq_len = path, seq_len
+
+    def sha256(self) -> str:
+        """The token cache's sha256, computed once when the cache was built and checked against
+        the file when it loaded: reading it costs nothing more."""
+        return load_meta(self)["sha256"]
 
 
 def _fingerprint(source: str) -> list:
