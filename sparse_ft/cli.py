@@ -59,10 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    """The command's exit code; a ValueError or missing file is one line on stderr and exit 2."""
+    """The command's exit code; a ValueError or a file that cannot be read or written (an
+    OSError names it) is one line on stderr and exit 2."""
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, OSError) as err:
         print(f"{args.prog}: error: {err}", file=sys.stderr)
         return 2
 

@@ -19,6 +19,7 @@ import shutil
 import socket
 import tempfile
 import time
+import uuid
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Iterator, Optional
@@ -35,6 +36,13 @@ def check_parent_writable(path: Path, flag: str) -> None:
             pass
     except OSError as err:
         raise ValueError(f"{flag} {path}: cannot write in {path.parent} ({err.strerror or err})") from None
+
+
+def file_in_the_way(directory: Path) -> Optional[Path]:
+    """The file that keeps ``directory`` from being one: itself, or the nearest of its parents
+    that exists, when that is no directory; None when it can be made (or is one)."""
+    existing = next((p for p in (directory, *directory.parents) if p.exists()), None)
+    return existing if existing is not None and not existing.is_dir() else None
 
 
 def check_output_dir(directory: Path, overwrite: bool = False, flag: str = "--output") -> None:
@@ -103,18 +111,37 @@ def atomic_directory(directory: Path, writer: str = "sparse-ft", overwrite: bool
     shutil.rmtree(old, ignore_errors=True)
 
 
+PARTIAL = ".partial"  # <file>.<host>.<pid>.<random>.partial: a file being written
+
+
 @contextmanager
 def atomic_file(path: Path, mode: str = "w") -> Iterator[IO]:
     """``open(path, mode)`` on a temporary sibling that replaces ``path`` when the block ends
-    without an error (and is removed when it does not)."""
+    without an error (and is removed when it does not). The sibling's name is this call's own
+    and names its host and process, so that :func:`remove_stale_partials` can tell one a
+    killed writer left from one being written."""
     path = Path(path)
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    tmp = path.with_name(f"{path.name}.{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:8]}{PARTIAL}")
     try:
         with open(tmp, mode) as f:
             yield f
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def remove_stale_partials(path: Path) -> list[Path]:
+    """Remove the temporary siblings of ``path`` (:func:`atomic_file`'s) whose writer was on this
+    host and is gone (killed mid-write); another host's, or a live process's, are left alone.
+    Returns those removed."""
+    removed = []
+    for tmp in path.parent.glob(f"{path.name}.*{PARTIAL}"):
+        writer = tmp.name[len(path.name) + 1 : -len(PARTIAL)].rpartition(".")[0]  # host.pid
+        host, _, pid = writer.rpartition(".")
+        if host == socket.gethostname() and pid.isdigit() and not process_alive(int(pid)):
+            tmp.unlink(missing_ok=True)
+            removed.append(tmp)
+    return removed
 
 
 def fsync_dir(path: Path) -> None:
@@ -140,7 +167,8 @@ def write_synced(path: Path, data: bytes) -> None:
 RUN_LOCK = "train.lock"  # in a training run's output directory
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs on this host."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -166,7 +194,7 @@ class RunLock:
             if holder is None:
                 continue  # released in between
             pid, host = holder.get("pid"), holder.get("host")
-            if host != self.me["host"] or not isinstance(pid, int) or _alive(pid):
+            if host != self.me["host"] or not isinstance(pid, int) or process_alive(pid):
                 since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("since", 0)))
                 raise ValueError(
                     f"train.output_dir={self.path.parent} is in use by another run (pid {pid} on {host}, since {since}): "

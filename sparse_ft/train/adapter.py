@@ -1,6 +1,7 @@
 """The trained result: one standard PEFT adapter directory (LoRA + the trainable embeddings and
-norms), plus ``sparse_ft.json`` carrying the RoPE configuration it was trained with, so every
-later load uses the same positions (``sparse_ft.modeling.model_io.load_adapter_model`` reads it back).
+norms), plus ``sparse_ft.json`` carrying the RoPE configuration it was trained with and the
+fingerprint of its base's weights, so every later load uses the same positions and base
+(``sparse_ft.modeling.model_io.load_adapter_model`` reads it back).
 
 Under ZeRO-3 each rank holds a slice of every parameter; saving without gathering writes
 empty tensors (a known failure of other trainers). The trainable parameters are gathered
@@ -18,8 +19,11 @@ from sparse_ft.modeling.model_io import META_FILE, SHAPE_KEYS
 from sparse_ft.files.outputs import atomic_directory
 
 
-def save_adapter(engine, directory: Path, recipe, base_path: str, *, tokenizer=None) -> Optional[Path]:
-    """Collective under DeepSpeed; rank 0 writes. Atomic: a temporary directory renamed."""
+def save_adapter(engine, directory: Path, recipe, base_path: str, *, tokenizer=None,
+                 base_fingerprint: Optional[str] = None) -> Optional[Path]:
+    """Collective under DeepSpeed; rank 0 writes. Atomic: a temporary directory renamed.
+    ``base_fingerprint``: of the base's weight files (``sparse_ft.modeling.weight_files``), which
+    evaluation and merging compare with the base they are given."""
     model = engine.module
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     with engine.gathered([p for _, p in named]):
@@ -41,6 +45,7 @@ def save_adapter(engine, directory: Path, recipe, base_path: str, *, tokenizer=N
         "rope_method": recipe.model.rope_method,
         "train_attention": {"pattern": recipe.attention.pattern, **recipe.attention.params},
         "base_shape": {k: getattr(config, k, None) for k in SHAPE_KEYS},
+        "base_fingerprint": base_fingerprint,
         "recipe": recipe.name,
     }
     with atomic_directory(directory) as tmp:

@@ -32,6 +32,7 @@ from sparse_ft.train.metrics import MetricLog, peak_memory_mib
 from sparse_ft.train.model_setup import base_model_path, build_model, training_method
 from sparse_ft.train.preflight import preflight
 from sparse_ft.modeling.tiny import is_built_in
+from sparse_ft.modeling.weight_files import fingerprint as weights_fingerprint
 
 
 class DataOrder:
@@ -203,6 +204,8 @@ class Trainer:
         on_cuda = torch.cuda.is_available()
         self.ds_config = resolve_deepspeed_config(self.recipe, self.world, on_cuda) if self.use_deepspeed else None
         self.model = self.build_model()
+        # read from the files the base loaded from (so the same under ZeRO-3 or NF4): the adapter records it
+        self.base_fingerprint = weights_fingerprint(self.base) if self.rank == 0 else None
         self.mpu = sequence_parallel.register(self.model, self.recipe) if self.recipe.train.sequence_parallel_size > 1 else None
         self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if on_cuda else torch.device("cpu")
 
@@ -295,7 +298,8 @@ class Trainer:
     def save(self) -> dict:
         """The probe logits, the adapter and the summary."""
         write_probe(self.engine, self.dataset[0]["input_ids"][:128], self.device, self.out / "adapter_probe.safetensors")
-        adapter_dir = save_adapter(self.engine, self.out / "adapter", self.recipe, self.base, tokenizer=self.tokenizer)
+        adapter_dir = save_adapter(self.engine, self.out / "adapter", self.recipe, self.base, tokenizer=self.tokenizer,
+                                   base_fingerprint=self.base_fingerprint)
         summary = self.summary({"adapter": str(adapter_dir)})
         if self.rank == 0:
             print(f"adapter saved to {adapter_dir}", flush=True)
