@@ -16,6 +16,7 @@ from sparse_ft.config.keyvalue import parse_assignments
 from sparse_ft.modeling.dtypes import NAMES as DTYPES
 
 HELP = "perplexity and passkey retrieval of a model, an adapter or a training-free method"
+DEFAULT_STRIDE = 256
 
 
 def _ints(text: str, flag: str) -> list[int]:
@@ -33,8 +34,11 @@ def _method_args(items: list[str]) -> dict:
 
 
 def _model_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="HF id, local directory, or 'tiny' (built-in test model)")
+    p.add_argument("--model", default=None, help="HF id, local directory, or 'tiny' (built-in test model); "
+                   "default: with --adapter, the base it was trained on, else required")
     p.add_argument("--adapter", default=None, help="adapter directory written by sparse-ft train (default: none)")
+    p.add_argument("--allow-other-base", action="store_true",
+                   help="evaluate --adapter on a --model with other weights than the base it was trained on")
     p.add_argument("--method", default="full", help="full, an attention pattern, pi, ntk, yarn, or a registered method")
     p.add_argument("--method-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="method parameter, repeatable; values are YAML scalars (default: the method's defaults)")
@@ -65,7 +69,8 @@ def configure(ev: argparse.ArgumentParser) -> None:
     p.add_argument("--split", default="validation", help="split of an HF dataset id")
     p.add_argument("--text-column", default="text", help="column holding the text (jsonl/json/parquet, HF datasets)")
     p.add_argument("--lengths", default="1024,2048,4096,8192", help="window lengths (comma list)")
-    p.add_argument("--stride", type=int, default=256, help="window step")
+    p.add_argument("--stride", type=int, default=None,
+                   help="window step, at most the shortest window (default: 256, or the shortest --lengths when shorter)")
     p.add_argument("--scoring", default="standard", choices=["standard", "longlora"],
                    help="standard: every token once; longlora: LongLoRA eval.py's numbers")
     p.add_argument("--max-tokens", type=int, default=None, help="use only the first N tokens of --data (default: all)")
@@ -90,43 +95,61 @@ def configure(ev: argparse.ArgumentParser) -> None:
     g.set_defaults(func=run_plot)
 
 
-def _method(args):
+def _method(args, lengths: list[int]):
+    """The method, checked at every length it will run at (a pattern whose chunks would hold
+    fewer than 2 keys there is refused, not run as attention to each token alone)."""
     from sparse_ft import methods
 
-    return methods.get(args.method, **_method_args(args.method_arg))
+    params = _method_args(args.method_arg)
+    method = methods.get(args.method, **params)
+    for n in lengths:
+        try:
+            method.check_length(n)
+        except ValueError as err:
+            given = " ".join(f"--method-arg {item}" for item in args.method_arg) or "its default parameters"
+            raise ValueError(f"--method {args.method} with {given} at --lengths {n}: {err}") from None
+    return method
 
 
 def _writer(args) -> str:
     return f"sparse-ft eval {args.eval}"
 
 
-def _check_outputs(args, inputs: dict, *flags: str) -> None:
+def _check_outputs(args, inputs: dict, *flags: str, pictures: tuple[str, ...] = ()) -> None:
     """Before the model loads: every output file can be written (its folder is made), is new
-    or an earlier output of sparse-ft (with --overwrite), and lies outside every input."""
+    or an earlier output of sparse-ft (with --overwrite), lies outside every input, and each
+    of ``pictures`` is in a format matplotlib writes."""
+    from sparse_ft.evaluation.plots import check_format
     from sparse_ft.files.outputs import check_apart, check_output_file
 
-    for flag in flags:
+    for flag in (*flags, *pictures):
         path = getattr(args, flag)
-        if path is not None:
-            check_apart(path, f"--{flag}", inputs)
-            check_output_file(path, f"--{flag}", args.overwrite)
+        if path is None:
+            continue
+        check_apart(path, f"--{flag}", inputs)
+        check_output_file(path, f"--{flag}", args.overwrite)
+        if flag in pictures:
+            check_format(path, f"--{flag}")
 
 
 def _model_inputs(args) -> dict:
     """The local inputs of a model's evaluation, by flag."""
     from sparse_ft.modeling.tiny import is_built_in
 
-    return {"--model": None if is_built_in(args.model) else args.model, "--adapter": args.adapter}
+    return {"--model": None if not args.model or is_built_in(args.model) else args.model, "--adapter": args.adapter}
 
 
 def _load(args, method, tokenizer: bool = True):
-    """The model and tokenizer; says what the method reads from the model's config."""
+    """The model and tokenizer (the method checked against the model's config before the
+    weights load); says what the method reads from the config."""
     from sparse_ft.modeling.attention import pretrained
     from sparse_ft.evaluation import loading
 
+    args.model = args.model or loading.recorded_base(args.adapter)  # what the results record
     model, tok = loading.load(args.model, args.adapter, args.dtype, args.load_in_4bit, load_in_8bit=args.load_in_8bit,
                               compute_dtype=args.bnb_compute_dtype, trust_remote_code=args.trust_remote_code,
-                              device=args.device, tokenizer=tokenizer)
+                              device=args.device, tokenizer=tokenizer, allow_other_base=args.allow_other_base,
+                              check_config=method.check_model)
     said = method.describe(pretrained(model).config)
     if said:
         print(said)
@@ -151,27 +174,31 @@ def _config(args, model) -> dict:
 
 
 def run_ppl(args) -> int:
-    from sparse_ft.evaluation import plots, ppl, report, tokens
+    from sparse_ft.evaluation import loading, plots, ppl, report, tokens, windows
 
     lengths = _ints(args.lengths, "--lengths")
-    if args.stride < 1:
-        raise ValueError(f"--stride {args.stride} must be >= 1")
+    if args.stride is None:
+        args.stride = min(DEFAULT_STRIDE, *lengths)
+    windows.check(lengths, args.stride)
     for flag in ("max_tokens", "num_windows", "batch_size"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise ValueError(f"--{flag.replace('_', '-')} {value} must be >= 1")
-    method = _method(args)
+    method = _method(args, lengths)
     if not method.supports.ppl:
         raise ValueError(f"--method {args.method} cannot report perplexity: {method.supports.no_ppl_reason}")
-    _check_outputs(args, {**_model_inputs(args), "--data": args.data}, "output", "plot")
-    is_token_file = tokens.check_data(args.data)
-    model, tokenizer = _load(args, method, tokenizer=not is_token_file)
-    vocab = model.get_output_embeddings().weight.shape[0]
-    stream = tokens.load_tokens(args.data, tokenizer, vocab, args.data_dtype, split=args.split,
+    # the data is read before the weights load: a file without text costs seconds, not a load
+    args.model = args.model or loading.recorded_base(args.adapter)
+    _check_outputs(args, {**_model_inputs(args), "--data": args.data}, "output", pictures=("plot",))
+    is_token_file = tokens.check_data(args.data, args.data_dtype)
+    tokenizer = None if is_token_file else loading.tokenizer_for(args.model, args.adapter, args.trust_remote_code)
+    stream = tokens.load_tokens(args.data, tokenizer, None, args.data_dtype, split=args.split,
                                 text_column=args.text_column, max_tokens=args.max_tokens)
     too_long = [n for n in lengths if n > len(stream)]
     if too_long:
         raise ValueError(f"--lengths {','.join(map(str, too_long))} longer than the {len(stream)} tokens of --data (lower it or add data)")
+    model, _ = _load(args, method, tokenizer=False)
+    tokens.check_vocabulary(stream, model.get_output_embeddings().weight.shape[0], args.data)
     results = [ppl.evaluate_length(model, stream, n, args.stride, scoring=args.scoring, method=method,
                                    batch_size=args.batch_size, max_windows=args.num_windows)
                for n in lengths]
@@ -206,8 +233,8 @@ def run_passkey(args) -> int:
         raise ValueError(f"--depths {args.depths!r} must be a comma-separated list of numbers in [0, 1]")
     if args.trials < 1:
         raise ValueError(f"--trials {args.trials} must be >= 1")
-    method = _method(args)
-    _check_outputs(args, _model_inputs(args), "output", "heatmap")
+    method = _method(args, lengths)
+    _check_outputs(args, _model_inputs(args), "output", pictures=("heatmap",))
     model, tokenizer = _load(args, method)
     cells = passkey.evaluate(model, tokenizer, lengths, depths, trials=args.trials, method=method, seed=args.seed)
     label = _label(args)
@@ -221,6 +248,7 @@ def run_plot(args) -> int:
     from sparse_ft.evaluation import plots, report
 
     series = [report.read_ppl(path) for path in args.results]
-    _check_outputs(args, {f"results file {index}": path for index, path in enumerate(args.results, 1)}, "output")
+    _check_outputs(args, {f"results file {index}": path for index, path in enumerate(args.results, 1)},
+                   pictures=("output",))
     print(f"wrote {plots.plot_ppl(series, args.output, writer=_writer(args))}")
     return 0

@@ -1,8 +1,9 @@
 """The trained result: one standard PEFT adapter directory (LoRA + the trainable embeddings and
-norms), plus ``sparse_ft.json`` carrying the RoPE configuration it was trained with, so every
-later load uses the same positions (``sparse_ft.modeling.model_io.load_adapter_model`` reads it back).
-The final adapter is one; every checkpoint holds one too (``write_adapter``), so that ``eval``
-and ``merge`` take any checkpoint of a run.
+norms), plus ``sparse_ft.json`` carrying the RoPE configuration it was trained with and the
+fingerprint of its base's weights, so every later load uses the same positions and base
+(``sparse_ft.modeling.model_io.load_adapter_model`` reads it back). The final adapter is one;
+every checkpoint holds one too (``write_adapter``), so that ``eval`` and ``merge`` take any
+checkpoint of a run.
 
 Under ZeRO-3 each rank holds a slice of every parameter; saving without gathering writes
 empty tensors (a known failure of other trainers). The trainable parameters are gathered
@@ -25,8 +26,11 @@ from sparse_ft.files.outputs import atomic_directory
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", META_FILE)
 
 
-def adapter_meta(model, recipe, base_path: str) -> dict:
-    """``sparse_ft.json``: what the adapter was trained on and with, positions first."""
+
+def adapter_meta(model, recipe, base_path: str, base_fingerprint: Optional[str]) -> dict:
+    """``sparse_ft.json``: what the adapter was trained on and with, positions first.
+    ``base_fingerprint``: of the base's weight files (``sparse_ft.modeling.weight_files``), which
+    evaluation and merging compare with the base they are given."""
     config = model.get_base_model().config
     return {
         "base_model": str(Path(base_path).resolve()) if Path(base_path).exists() else base_path,  # found from anywhere
@@ -38,6 +42,7 @@ def adapter_meta(model, recipe, base_path: str) -> dict:
         "rope_method": recipe.model.rope_method,
         "train_attention": {"pattern": recipe.attention.pattern, **recipe.attention.params},
         "base_shape": {k: getattr(config, k, None) for k in SHAPE_KEYS},
+        "base_fingerprint": base_fingerprint,
         "recipe": recipe.name,
     }
 

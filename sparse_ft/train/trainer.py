@@ -35,6 +35,7 @@ from sparse_ft.train.model_setup import base_model_path, build_model, training_m
 from sparse_ft.train.preflight import preflight
 from sparse_ft.train.stopping import Diverged, Preempted, RunStopped, SaveClock, StopSignals, non_finite, signal_name
 from sparse_ft.modeling.tiny import is_built_in
+from sparse_ft.modeling.weight_files import fingerprint as weights_fingerprint
 
 
 def write_probe(engine: Engine, input_ids: torch.Tensor, device: torch.device, path: Path) -> None:
@@ -197,6 +198,8 @@ class Trainer:
         on_cuda = torch.cuda.is_available()
         self.ds_config = resolve_deepspeed_config(self.recipe, self.world, on_cuda) if self.use_deepspeed else None
         self.model = self.build_model()
+        # read from the files the base loaded from (so the same under ZeRO-3 or NF4): the adapter records it
+        self.base_fingerprint = weights_fingerprint(self.base) if self.rank == 0 else None
         self.mpu = sequence_parallel.register(self.model, self.recipe) if self.recipe.train.sequence_parallel_size > 1 else None
         self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if on_cuda else torch.device("cpu")
 
@@ -321,7 +324,7 @@ class Trainer:
 
     def adapter_meta(self) -> Optional[dict]:
         """The ``sparse_ft.json`` of the adapter the run saves, and every checkpoint holds."""
-        return adapter_meta(self.engine.module, self.recipe, self.base)
+        return adapter_meta(self.engine.module, self.recipe, self.base, self.base_fingerprint)
 
     def save(self) -> dict:
         """The probe logits, the adapter and the summary."""
