@@ -471,7 +471,7 @@ CLI_CASES = {
     "bench on the auto device": (
         ["bench", "dca", *BENCH, "--device", "auto"], None, r"bench dca: --device auto: a benchmark runs on one device"),
     "bench output that is a directory": (
-        ["bench", "attention", *BENCH, "--output", "OUT"], None, r"bench attention: --output .*/out is a directory; name a .json file"),
+        ["bench", "attention", *BENCH, "--output", "OUT"], None, r"bench attention: --output .*/out is a directory; name a file"),
     "bench output inside a file": (
         ["bench", "attention", *BENCH, "--output", "TEXT/x.json"], None, r"bench attention: --output .*/t.txt/x.json: cannot write in"),
     "bench pattern missing a required parameter": (

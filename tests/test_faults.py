@@ -217,6 +217,9 @@ SHAPED = "lora.r shape(s) the trained tensors, which no resume can change (not e
     # allowed, but no checkpoint's tensors continue under another shape: refused before the model loads
     (["lora.r=16", "train.resume_allow_changes=[lora.r]"], "lora.r: 8 then, 16 now", SHAPED),
     (["train.lr=0.002"], "train.lr: 0.001 then, 0.002 now", "list them in train.resume_allow_changes=[train.lr]"),
+    # allowed, but the run's base-model/ was written once from the old value: it would train on that
+    (["model.tiny.rope_parameters.factor=4.0", "train.resume_allow_changes=[model.tiny]"], "model.tiny: {",
+     "model.tiny built the base this run wrote into its directory (base-model/) and trains on, which no resume can change"),
     (["attention.pattern=s2"], "attention.pattern: 'scca_flow' then, 's2' now",
      "list them in train.resume_allow_changes=[attention.pattern,"),
 ])

@@ -102,18 +102,18 @@ def _setup(args: argparse.Namespace, name: str) -> tuple[Any, str, list[int]]:
     if args.warmup < 0 or args.repeats < 1:
         raise ValueError(f"bench {name}: --warmup={args.warmup} must be >= 0 and --repeats={args.repeats} >= 1")
     if args.output is not None:
-        _check_output(args.output, args.overwrite)
+        _check_output(args.output, args.overwrite, f"bench {name}: --output")
     return device, dtype, lengths
 
 
-def _check_output(output: Path, overwrite: bool) -> None:
+def _check_output(output: Path, overwrite: bool, flag: str) -> None:
     """The JSON and the markdown beside it: new, or sparse-ft's own with ``--overwrite``."""
     from sparse_ft.files.outputs import check_output_file
 
+    check_output_file(output, flag, overwrite)
     if output.suffix != ".json":
-        raise ValueError(f"--output {output} must end in .json (the markdown table is written beside it, as .md)")
-    for path in (output, output.with_suffix(".md")):
-        check_output_file(path, "--output", overwrite)
+        raise ValueError(f"{flag} {output} must end in .json (the markdown table is written beside it, as .md)")
+    check_output_file(output.with_suffix(".md"), flag, overwrite)
 
 
 def _names(text: str, flag: str) -> list[str]:

@@ -3,7 +3,9 @@ the values of the recipe's ``RESUME_KEYS``, the number of processes, and the tra
 size and content). A resume that would change any of them (another lr or pattern would
 continue silently as a different run, other data under the same recipe too) is refused by
 name, unless the recipe lists the key in ``train.resume_allow_changes``. The keys that decide
-the trained tensors' shapes cannot be allowed: no checkpoint continues under other shapes."""
+the trained tensors' shapes cannot be allowed: no checkpoint continues under other shapes. Nor
+can ``model.tiny``: the built-in base is written once into the run's directory, so a resume
+would train on the old base whatever the recipe now says."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from sparse_ft.config.schema import RESUME_KEYS, WORLD_SIZE
 ADDED = {"train.sequence_parallel_size": 1, "train.weight_decay_on": "all", "train.min_lr_ratio": 0.0}
 # The keys that name and shape the trainable tensors (model.* may too: checkpoint.load_checkpoint compares shapes).
 SHAPES = ("lora.r", "lora.target_modules", "lora.extra_trainable")
+FIXED = (*SHAPES, "model.tiny")  # never allowed to change on resume
 
 
 def fingerprint(recipe: Recipe, world_size: int) -> dict:
@@ -35,14 +38,17 @@ def check_resume(saved: dict, current: dict, allowed: list[str], checkpoint: Pat
     (old and new value); print the allowed ones."""
     saved = {**ADDED, **saved}
     changed = {key: (saved.get(key), value) for key, value in current.items() if saved.get(key) != value}
-    refused = {key: change for key, change in changed.items() if key not in allowed or key in SHAPES}
+    refused = {key: change for key, change in changed.items() if key not in allowed or key in FIXED}
     accepted = {key: change for key, change in changed.items() if key not in refused}
     if refused:
         shaped = [key for key in refused if key in SHAPES]
-        allowable = [key for key in refused if key not in SHAPES]
+        allowable = [key for key in refused if key not in FIXED]
         allow = f", list them in train.resume_allow_changes=[{','.join(allowable)}] to continue anyway" if allowable else ""
         fixed = (f"; {', '.join(shaped)} shape(s) the trained tensors, which no resume can change (not even "
                  "train.resume_allow_changes)") if shaped else ""
+        if "model.tiny" in refused:
+            fixed += ("; model.tiny built the base this run wrote into its directory (base-model/) and trains on, "
+                      "which no resume can change")
         raise ValueError(f"train.resume: {checkpoint} was written with other settings ({_describe(refused)}){fixed}; "
                          f"restore them{allow}, or start afresh in a new train.output_dir")
     if accepted:
