@@ -113,6 +113,45 @@ class Pattern:
         j = torch.arange(seq_len)[None, None, :]
         return self.visible(h, i, j, n=seq_len, num_heads=num_heads).expand(num_heads, seq_len, seq_len).clone()
 
+    def check_length(self, seq_len: int, num_heads: Optional[int] = None) -> None:
+        """Refuse a sequence length at which a head lets no query see 2 keys: chunks of one
+        token (as many ``chunks`` as tokens, a dilation as long as the sequence) turn attention
+        into each token attending to itself alone, which would train and evaluate without a
+        word. ``num_heads`` defaults to the fewest heads the pattern takes. Read from the
+        progression in O(H·N); a pattern stated by ``rule`` alone is not checked."""
+        heads = num_heads or self.fewest_heads()
+        if heads is None:
+            return
+        i = torch.arange(seq_len)[None, :]
+        block = max(1, (1 << 22) // seq_len)  # heads per step: at most ~4M entries
+        for first in range(0, heads, block):
+            h = torch.arange(first, min(heads, first + block))[:, None]
+            try:
+                lo, hi, step = self.keys(h, i, seq_len, heads)
+            except NotImplementedError:
+                return
+            hi = torch.minimum(hi, i)
+            count = torch.where(hi >= lo, torch.div(hi - lo, step, rounding_mode="floor") + 1, 0)
+            widest = count.expand(len(h), seq_len).max(dim=1).values
+            if bool((widest < 2).any()):
+                head = first + int((widest < 2).nonzero()[0])
+                raise ValueError(
+                    f"{self!r} at sequence length {seq_len}: no query of head {head} (of {heads}) sees more than "
+                    f"{int(widest[head - first])} key, so attention would be switched off (fewer than 2 keys per chunk); "
+                    "use fewer chunks / a smaller dilation, or longer sequences"
+                )
+
+    def fewest_heads(self) -> Optional[int]:
+        """The fewest heads the pattern can split (a multiple of ``head_multiple``, up to 256 of
+        them), None if none."""
+        for heads in range(self.head_multiple, 256 * self.head_multiple + 1, self.head_multiple):
+            try:
+                self.check_heads(heads)
+            except ValueError:
+                continue
+            return heads
+        return None
+
     def visible_pairs(self, seq_len: int, num_heads: int) -> int:
         """Number of True entries of ``mask(seq_len, num_heads)`` (the benchmark's ideal
         speedup is causal pairs / pattern pairs), without an N×N tensor."""

@@ -87,6 +87,11 @@ class Registry(Generic[T]):
         unknown = sorted(set(params) - set(allowed))
         if unknown:
             raise ValueError(f"{name}: parameter(s) {', '.join(unknown)} unknown; allowed: {', '.join(allowed) or 'none'}")
+        required = [p.name for p in inspect.signature(self._factories[name]).parameters.values()
+                    if p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        missing = [p for p in required if p not in params]
+        if missing:
+            raise ValueError(f"{name}: parameter(s) {', '.join(missing)} required (it has no default); allowed: {', '.join(allowed)}")
         return self._factories[name](**params)
 
     def build(self, spec: Any) -> T:

@@ -61,12 +61,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    """The command's exit code; a ValueError or missing file is one line on stderr and exit 2;
-    a training run that stopped on purpose (a stop signal, a divergence) is its one line and
-    its own code (``sparse_ft.train.stopping``), Ctrl-C anywhere else one line and 130."""
+    """The command's exit code; a ValueError or a file that cannot be read or written (an
+    OSError names it) is one line on stderr and exit 2; a training run that stopped on purpose
+    (a stop signal, a divergence) is its one line and its own code (``sparse_ft.train.stopping``),
+    Ctrl-C anywhere else one line and 130."""
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, OSError) as err:
         print(f"{args.prog}: error: {err}", file=sys.stderr)
         return 2
     except RunStopped as stop:

@@ -1,12 +1,15 @@
-"""Issue 11, "nothing lost, nothing silent": every bad input to ``train.py`` ends in one line
-naming the key or file, the value and what is allowed, with exit status 2, before the model
-loads and before anything is written to the output directory. The cases run in-process through
-train.py's ``main`` (one subprocess checks the real command line)."""
+"""Issues 11 and 20, "nothing lost, nothing silent": every bad input ends in one line naming
+the key, flag or file, the value and what is allowed, with exit status 2, before the model
+loads and before anything is written. ``CASES`` are ``train.py``'s, run in-process through its
+``main`` (one subprocess checks the real command line); ``CLI_CASES`` the other commands'
+(``sparse-ft eval | merge | pretrain | experiment | bench``), through ``sparse_ft.cli.main``."""
 
+import hashlib
 import json
 import os
 import re
 import runpy
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -23,8 +26,30 @@ def jsonl(content):
 
 
 def _write(path, content):
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(content if isinstance(content, bytes) else content.encode())
     return path
+
+
+def file(name, content, *, given=None):
+    """The data column: writes ``name`` into the test's directory; DATA is ``given`` (a name in
+    that directory) when set, else the file."""
+    return lambda tmp: (_write(tmp / name, content), tmp / (given or name))[1]
+
+
+def model_dir(*files, config=None):
+    """The data column: a model directory holding ``config.json`` and ``files`` ((name, bytes))."""
+    def make(tmp):
+        _write(tmp / "m" / "config.json", json.dumps(config or {"model_type": "llama"}))
+        for name, content in files:
+            _write(tmp / "m" / name, content)
+        return tmp / "m"
+    return make
+
+
+TINY_RECIPE = "inherit: tiny\n"
+PICKLED = [("pytorch_model.bin", b"\x80\x04pickled")]
+CUT_SHORT = [("model.safetensors", b"\x10\x00\x00\x00\x00\x00\x00\x00{}")]
 
 
 # overrides (DATA: the path the data column returns, else the test's directory), data, message
@@ -126,6 +151,75 @@ CASES = {
     "jsonl without the text column": (
         ["data.source=DATA", "data.text_column=body"], jsonl(TINY_LINE + "\n"),
         r"data.source .*/docs.jsonl has no column 'body'; its columns: text \(set data.text_column\)"),
+    # issue 20: tracebacks before, one line now
+    "recipe given as a path without .yaml": (
+        ["recipe=DATA"], file("mine.yaml", TINY_RECIPE, given="mine"),
+        r"recipe=.*/mine: no such recipe file; a path names the file with its .yaml suffix \(did you mean .*/mine.yaml\?\)"),
+    "recipe that is a directory": (["recipe=DATA"], lambda tmp: tmp, r"recipe file .* is a directory; name a .yaml file"),
+    "recipe that is not UTF-8": (["recipe=DATA"], file("r.yaml", b"\xff\xfe"), r"recipe .*/r.yaml is not UTF-8 text \(byte 0\)"),
+    "recipe that is not YAML": (
+        ["recipe=DATA"], file("r.yaml", "model: {name_or_path: tiny\n"),
+        r"recipe .*/r.yaml is not valid YAML: expected ',' or '}', but got '<stream end>' at line 2, column 1$"),
+    "recipe inheriting a list": (
+        ["recipe=DATA"], file("r.yaml", "inherit: [tiny]\n"),
+        r"recipe .*/r.yaml: inherit=\['tiny'\] must name one recipe \(a name under recipes/ or a .yaml path\)"),
+    "DeepSpeed JSON that is a list": (
+        ["deepspeed=DATA"], file("ds.json", "[1, 2]"),
+        r"recipe key deepspeed='.*/ds.json' holds a JSON list, not an object of DeepSpeed settings"),
+    "DeepSpeed section that is not an object": (
+        ["deepspeed=DATA"], file("ds.json", '{"bf16": true}'), r"deepspeed='.*/ds.json': bf16=True must be an object"),
+    "DeepSpeed stage that is a string": (
+        ["deepspeed=DATA"], file("ds.json", '{"zero_optimization": {"stage": "3"}}'),
+        r"deepspeed='.*/ds.json': zero_optimization.stage='3' must be 0, 1, 2 or 3"),
+    "DeepSpeed batch size of 0": (
+        ["deepspeed=DATA"], file("ds.json", '{"train_micro_batch_size_per_gpu": 0}'),
+        r"train_micro_batch_size_per_gpu=0 must be a positive integer or \"auto\""),
+    "DeepSpeed setting DeepSpeed refuses": (
+        ["deepspeed=DATA"], file("ds.json", '{"zero_optimization": {"stage": 3, "overlap_comm": "maybe"}}'),
+        r"deepspeed config .*/ds.json: zero_optimization.overlap_comm='maybe' is invalid: Input should be a valid boolean"),
+    "DeepSpeed setting misspelt": (
+        ["deepspeed=DATA"], file("ds.json", '{"zero_optimization": {"stage": 2, "overlap_com": true}}'),
+        r"deepspeed config .*/ds.json: zero_optimization.overlap_com=True is invalid: Extra inputs are not permitted"),
+    "cache directory that is a file": (
+        ["data.cache_dir=DATA"], jsonl(TINY_LINE + "\n"),
+        r"recipe key data.cache_dir='.*docs.jsonl' is invalid: a directory \(to be created, or an earlier run's\); this is a file"),
+    "output directory inside a file": (
+        ["train.output_dir=DATA/run"], jsonl(TINY_LINE + "\n"), r"train.output_dir='.*docs.jsonl/run' is invalid: .*docs.jsonl is a file"),
+    "empty extra_trainable name": (
+        ["lora.extra_trainable=['']"], None, r"lora.extra_trainable=\[''\] is invalid: module names, none empty"),
+    "extra_trainable holding LoRA's targets": (
+        ["lora.extra_trainable=[layers]"], None,
+        r"lora.extra_trainable=\['layers'\] is invalid: 'layers' matches model.layers, which holds LoRA's targets"),
+    "chunks larger than the sequence": (
+        ["attention.params.chunks=600"], None,
+        r"recipe key attention.params=\{'chunks': 600\} is invalid: scca_flow\(chunks=600\) at sequence length 512: .*"
+        r"fewer than 2 keys per chunk"),
+    "sequence too short for the chunks": (
+        ["data.seq_len=4"], None, r"attention.params=\{'chunks': 4\} is invalid: scca_flow\(chunks=4\) at sequence length 4: "),
+    "dilation as long as the sequence": (
+        ["attention.pattern=sda", "attention.params.dilation=512"], None,
+        r"attention.params=\{'dilation': 512\} is invalid: sda\(dilation=512\) at sequence length 512: "),
+    "FlexAttention training without CUDA": (
+        ["attention.backend=flex"], None, r"recipe key attention.backend='flex' is invalid: FlexAttention has no backward on CPU"),
+    "flash-attn named as a pattern parameter": (
+        ["attention.params.backend=flash"], None,
+        r"recipe key attention.params.backend='flash' is invalid: flash-attn cannot run here"),
+    "tiny model without a context": (
+        ["model.tiny.max_position_embeddings=0"], None,
+        r"recipe key model.tiny=\{'max_position_embeddings': 0\} is invalid: its max_position_embeddings=0: extending the "
+        r"context needs a positive one"),
+    "pattern missing a required parameter": (
+        ["attention.pattern=mixed"], None, r"mixed: parameter\(s\) parts required \(it has no default\); allowed: parts, backend"),
+    "base with pickled weights only": (
+        ["model.name_or_path=DATA"], model_dir(*PICKLED),
+        r"model.name_or_path='.*/m' is invalid: .*/m holds pickled weights only \(pytorch_model.bin\); sparse-ft reads safetensors only"),
+    "base whose weights were cut short": (
+        ["model.name_or_path=DATA"], model_dir(*CUT_SHORT),
+        r"model.name_or_path='.*/m' is invalid: .*/m: model.safetensors cannot be read as safetensors \(.*\); was it cut short\?"),
+    "text document that is not UTF-8": (
+        ["data.source=DATA"], file("d.txt", b"def f():\xff\n"), r"data.source .*/d.txt: not UTF-8 text \(byte 8: invalid start byte\)"),
+    "parquet file that is not parquet": (
+        ["data.source=DATA"], file("d.parquet", "not parquet"), r"data.source .*/d.parquet: not a parquet file \(Parquet magic bytes"),
 }
 
 
@@ -135,8 +229,10 @@ def train_main():
 
 
 def argv(out, cache, *overrides):
-    return ["train.py", "recipe=tiny", "deepspeed=null", "train.max_steps=1", f"train.output_dir={out}",
-            "train.report_to=[none]", f"data.cache_dir={cache}", *overrides]
+    """train.py's arguments; a ``recipe=`` among ``overrides`` replaces ``recipe=tiny``."""
+    recipe = [o for o in overrides if o.startswith("recipe=")] or ["recipe=tiny"]
+    return ["train.py", *recipe, "deepspeed=null", "train.max_steps=1", f"train.output_dir={out}",
+            "train.report_to=[none]", f"data.cache_dir={cache}", *(o for o in overrides if not o.startswith("recipe="))]
 
 
 def listing(path):
@@ -157,7 +253,10 @@ def run_refused(train_main, monkeypatch, capsys, args):
 def test_bad_input_fails_in_one_line_before_anything_loads(case, tmp_path, monkeypatch, capsys, train_main):
     import attn_patterns.kernels
 
+    import torch
+
     monkeypatch.setattr(attn_patterns.kernels, "flash_available", lambda: False)  # the same answer on a GPU machine
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     overrides, data, message = CASES[case]
     where = data(tmp_path) if data else tmp_path
     overrides = [o.replace("DATA", str(where)) for o in overrides]
@@ -190,3 +289,272 @@ def test_the_command_line_exits_2_without_a_traceback(tmp_path):
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines()[-1] == f"train.py: error: data.source {empty}: no documents (empty, or no row with a 'text' value)"
     assert not out.exists()
+
+
+# --- the other commands: sparse-ft eval | merge | pretrain | experiment | bench ---------------------
+
+def adapter_copy(edit):
+    """The data column of ``CLI_CASES``: a copy of the trained adapter, damaged by ``edit``."""
+    def make(tmp, adapter):
+        copy = tmp / "a"
+        shutil.copytree(adapter, copy)
+        edit(copy)
+        return copy
+    return make
+
+
+def base_copy(config_edit):
+    """A copy of the tiny base whose config.json ``config_edit`` changes."""
+    def make(tmp, adapter):
+        copy = tmp / "b"
+        shutil.copytree(ROOT / "assets" / "tiny-base", copy)
+        config = json.loads((copy / "config.json").read_text())
+        config_edit(config)
+        (copy / "config.json").write_text(json.dumps(config))
+        return copy
+    return make
+
+
+def cli_file(name, content):
+    return lambda tmp, adapter: _write(tmp / name, content)
+
+
+def token_file(size, sidecar):
+    def make(tmp, adapter):
+        if sidecar is not None:
+            _write(tmp / "t.json", sidecar)
+        return _write(tmp / "t.bin", bytes(size))
+    return make
+
+
+def _cut(copy):
+    weights = copy / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+
+
+def _pickled(copy):
+    (copy / "adapter_model.safetensors").rename(copy / "adapter_model.bin")
+
+
+def _dca(value):
+    return base_copy(lambda config: config.update(dual_chunk_attention_config=value))
+
+
+EVAL = ["eval", "ppl", "--data", "TEXT", "--lengths", "256"]
+PPL = [*EVAL, "--model", "BASE"]
+BENCH = ["--lengths", "64", "--repeats", "1", "--warmup", "0"]
+# argv (ADAPTER: a trained adapter, BASE: assets/tiny-base, TEXT: a text file, DATA: what the data
+# column made, OUT: a place for outputs), data (tmp, adapter) -> path, message after "error: "
+CLI_CASES = {
+    # part 4: honest evaluation
+    "eval without --model or --adapter": (
+        EVAL, None, r"--model is required without --adapter \(with one, its recorded base is the default\)"),
+    "eval on a base of the same shape with other weights": (
+        [*EVAL, "--model", "tiny", "--adapter", "ADAPTER"], None,
+        r"adapter .*/adapter was trained on other weights than those of .* \(on .*/run/base-model: weights fingerprint "
+        r"\w{12}; .*: \w{12}\): an adapter fits only the weights it was trained on; .* pass --allow-other-base"),
+    "merge into a base of the same shape with other weights": (
+        ["merge", "--adapter", "ADAPTER", "--base", "tiny", "--output", "OUT/m"], None,
+        r"adapter .*/adapter was trained on other weights than those of .* pass --allow-other-base"),
+    "stride longer than the window": (
+        [*PPL, "--stride", "300"], None,
+        r"--stride 300 is longer than the window --lengths 256: the 44 tokens between two windows would never be scored; "
+        r"use --stride <= 256"),
+    "window of one token": ([*PPL, "--lengths", "1"], None, r"--lengths 1: a window needs >= 2 tokens"),
+    "chunks larger than the window": (
+        [*PPL, "--method", "s2", "--method-arg", "chunks=300"], None,
+        r"--method s2 with --method-arg chunks=300 at --lengths 256: s2\(chunks=300\) at sequence length 256: .*"
+        r"fewer than 2 keys per chunk"),
+    "dilation as long as the window": (
+        [*PPL, "--method", "sda", "--method-arg", "dilation=256"], None,
+        r"--method sda with --method-arg dilation=256 at --lengths 256: sda\(dilation=256\) at sequence length 256"),
+    # part 6: tracebacks before
+    "pattern missing a required parameter": (
+        [*PPL, "--method", "mixed"], None, r"mixed: parameter\(s\) parts required \(it has no default\); allowed: parts, backend"),
+    "dual_chunk_attention_config that is a list": (
+        [*EVAL, "--model", "DATA", "--method", "dca"], _dca([1, 2]),
+        r"the model's config.json dual_chunk_attention_config=\[1, 2\] is a list, not an object"),
+    "dual_chunk_attention_config that is a string": (
+        [*EVAL, "--model", "DATA", "--method", "dca"], _dca("yes"),
+        r"the model's config.json dual_chunk_attention_config='yes' is a str, not an object"),
+    "dual_chunk_attention_config with a bad value": (
+        [*EVAL, "--model", "DATA", "--method", "dca"], _dca({"chunk_size": -5}),
+        r"the model's config.json dual_chunk_attention_config=\{'chunk_size': -5\}: dca: chunk_size=-5 must be an integer >= 1"),
+    "adapter cut short": (
+        [*EVAL, "--adapter", "DATA"], adapter_copy(_cut),
+        r"--adapter .*/a: adapter_model.safetensors cannot be read as safetensors \(.*\); was it cut short\?"),
+    "merge of an adapter cut short": (
+        ["merge", "--adapter", "DATA", "--output", "OUT/m"], adapter_copy(_cut),
+        r"--adapter .*/a: adapter_model.safetensors cannot be read as safetensors"),
+    "pickled adapter": (
+        [*EVAL, "--adapter", "DATA"], adapter_copy(_pickled),
+        r"--adapter .*/a holds pickled weights only \(adapter_model.bin\); sparse-ft reads safetensors only"),
+    "merge of a pickled adapter": (
+        ["merge", "--adapter", "DATA", "--output", "OUT/m"], adapter_copy(_pickled), r"--adapter .*/a holds pickled weights only"),
+    "adapter without weights": (
+        [*EVAL, "--adapter", "DATA"], adapter_copy(lambda a: (a / "adapter_model.safetensors").unlink()),
+        r"--adapter .*/a: no adapter_model.safetensors \(the adapter's weights\)"),
+    "adapter config that is a list": (
+        [*EVAL, "--adapter", "DATA"], adapter_copy(lambda a: (a / "adapter_config.json").write_text("[1]")),
+        r"--adapter .*/a: adapter_config.json holds a JSON list, not an object"),
+    "adapter config without peft_type": (
+        [*EVAL, "--adapter", "DATA"], adapter_copy(lambda a: (a / "adapter_config.json").write_text("{}")),
+        r"--adapter .*/a: adapter_config.json names no peft_type"),
+    "adapter metadata of the wrong type": (
+        ["merge", "--adapter", "DATA", "--output", "OUT/m"],
+        adapter_copy(lambda a: (a / "sparse_ft.json").write_text('{"base_shape": 5}')),
+        r"--adapter .*/a: sparse_ft.json key base_shape=5 is not a dict"),
+    "pickled base": (
+        [*EVAL, "--model", "DATA"], lambda tmp, adapter: model_dir(*PICKLED)(tmp),
+        r"--model .*/m holds pickled weights only \(pytorch_model.bin\)"),
+    "base cut short": (
+        [*EVAL, "--model", "DATA"], lambda tmp, adapter: model_dir(*CUT_SHORT)(tmp),
+        r"--model .*/m: model.safetensors cannot be read as safetensors"),
+    "model that is a file": ([*EVAL, "--model", "TEXT"], None, r"--model .*/t.txt is a file; a model is a directory with config.json"),
+    "merge into a base that does not exist": (
+        ["merge", "--adapter", "ADAPTER", "--base", "OUT/none", "--output", "OUT/m"], None, r"--base .*/none: no such directory"),
+    "merge into a Hub base that cannot be reached": (
+        ["merge", "--adapter", "ADAPTER", "--base", "nobody-here/no-model", "--output", "OUT/m"], None,
+        r"the base model nobody-here/no-model of adapter .*: its config cannot be read"),
+    "token file sidecar that is a list": (
+        [*PPL[:2], "--model", "BASE", "--data", "DATA", "--lengths", "4"], token_file(16, "[1]"),
+        r"the sidecar of .*/t.bin: t.json holds a JSON list, not an object"),
+    "token file sidecar that is not JSON": (
+        [*PPL[:2], "--model", "BASE", "--data", "DATA", "--lengths", "4"], token_file(16, "{"),
+        r"the sidecar of .*/t.bin: t.json is not valid JSON"),
+    "token file of an odd size": (
+        [*PPL[:2], "--model", "BASE", "--data", "DATA", "--lengths", "4"], token_file(15, None),
+        r"--data .*/t.bin has 15 bytes, not a whole number of uint16 tokens"),
+    "text data without its column": (
+        [*PPL[:2], "--model", "BASE", "--data", "DATA", "--text-column", "body"], cli_file("d.jsonl", '{"text": "a"}\n'),
+        r"d.jsonl has no column 'body'; its columns: text"),
+    "text data shorter than the window": (
+        [*PPL[:2], "--model", "BASE", "--data", "DATA", "--lengths", "64"], cli_file("d.txt", "short"),
+        r"--lengths 64 longer than the 6 tokens of --data \(lower it or add data\)"),
+    "parquet data that is not parquet": (
+        [*PPL[:2], "--model", "BASE", "--data", "DATA"], cli_file("d.parquet", "not parquet"), r"d.parquet: not a parquet file"),
+    "picture in a format matplotlib cannot write": (
+        [*PPL, "--plot", "OUT/ppl.xyz"], None, r"--plot .*/ppl.xyz: .xyz names no picture format; allowed: .*png"),
+    "plot of a file that is no results file": (
+        ["eval", "plot", "DATA", "--output", "OUT/p.png"], cli_file("r.json", "[1]"), r"r.json is not a results file"),
+    "pretrain corpus that is a file": (
+        ["pretrain", "--corpus", "TEXT", "--output", "OUT/p"], None, r"--corpus .*/t.txt is a file; a corpus is a directory"),
+    "pretrain without key/value heads": (
+        ["pretrain", "--num-key-value-heads", "0", "--corpus", "OUT/c", "--output", "OUT/p"], None,
+        r"num_key_value_heads=0 must be >= 1"),
+    "pretrain of 0 steps": (["pretrain", "--steps", "0", "--corpus", "OUT/c", "--output", "OUT/p"], None, r"steps=0 must be >= 1"),
+    "pretrain passkey fraction above 1": (
+        ["pretrain", "--passkey-fraction", "2", "--corpus", "OUT/c", "--output", "OUT/p"], None,
+        r"--passkey-fraction 2.0 must be within \[0, 1\]"),
+    "pretrain corpus manifest that is not one": (
+        ["pretrain", "--corpus", "DATA", "--output", "OUT/p", "--steps", "1"],
+        lambda tmp, adapter: _write(tmp / "c" / "corpus.json", "{}").parent,
+        r"corpus.json is not a corpus manifest of scripts/build_corpus.py \(KeyError: 'dtype'\)"),
+    "pretrain corpus without blocks": (
+        ["pretrain", "--corpus", "DATA", "--output", "OUT/p", "--steps", "1"],
+        lambda tmp, adapter: (_write(tmp / "c" / "corpus.json", '{"dtype": "uint16", "context": 256}'),
+                              _write(tmp / "c" / "train.bin", b""))[0].parent,
+        r"train.bin holds 0 bytes, not whole blocks of 256 uint16 tokens"),
+    "experiment output that is a file": (
+        ["experiment", "--quick", "--output", "TEXT", "--runs", "OUT/r"], None, r"--output .*/t.txt: .*/t.txt is a file; name a directory"),
+    "bench attention on CUDA without CUDA": (
+        ["bench", "attention", *BENCH, "--device", "cuda"], None,
+        r"bench attention: --device 'cuda': torch sees no CUDA device here; use cpu \(or omit --device\)"),
+    "bench train on CUDA without CUDA": (
+        ["bench", "train", *BENCH, "--device", "cuda"], None, r"bench train: --device 'cuda': torch sees no CUDA device here"),
+    "bench dca on CUDA without CUDA": (
+        ["bench", "dca", *BENCH, "--device", "cuda"], None, r"bench dca: --device 'cuda': torch sees no CUDA device here"),
+    "bench eval on CUDA without CUDA": (
+        ["bench", "eval", *BENCH, "--device", "cuda"], None, r"bench eval: --device 'cuda': torch sees no CUDA device here"),
+    "bench on a device that is none": (
+        ["bench", "attention", *BENCH, "--device", "gpu0"], None, r"bench attention: --device 'gpu0' is not a device"),
+    "bench on the auto device": (
+        ["bench", "dca", *BENCH, "--device", "auto"], None, r"bench dca: --device auto: a benchmark runs on one device"),
+    "bench output that is a directory": (
+        ["bench", "attention", *BENCH, "--output", "OUT"], None, r"bench attention: --output .*/out is a directory; name a file"),
+    "bench output inside a file": (
+        ["bench", "attention", *BENCH, "--output", "TEXT/x.json"], None, r"bench attention: --output .*/t.txt/x.json: cannot write in"),
+    "bench pattern missing a required parameter": (
+        ["bench", "attention", *BENCH, "--patterns", "mixed"], None, r"mixed: parameter\(s\) parts required"),
+    "bench without patterns": (["bench", "attention", *BENCH, "--patterns", ","], None, r"bench attention: --patterns=',' names no pattern"),
+    "bench eval of one-token windows": (["bench", "eval", *BENCH, "--lengths", "1"], None, r"bench eval: --lengths 1: a window needs >= 2 tokens"),
+}
+
+
+@pytest.fixture(scope="module")
+def trained_adapter(tmp_path_factory):
+    """An adapter trained one step on the tiny recipe's base (materialised with the recipe's seed,
+    42): the built-in ``tiny`` (seed 0) has its shape and other weights."""
+    from sparse_ft.config import load_recipe
+    from sparse_ft.train.trainer import train
+
+    root = tmp_path_factory.mktemp("trained")
+    train(load_recipe("tiny", [f"train.output_dir={root / 'run'}", f"data.cache_dir={root / 'cache'}", "deepspeed=null",
+                               "train.max_steps=1", "train.report_to=[none]"]))
+    return root / "run" / "adapter"
+
+
+def snapshot(root):
+    """Every path under ``root`` with a digest of a file's bytes (None for a directory)."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else None
+            for p in sorted(root.rglob("*"))}
+
+
+@pytest.mark.parametrize("case", sorted(CLI_CASES))
+def test_bad_input_to_any_command_fails_in_one_line(case, tmp_path, monkeypatch, capsys, trained_adapter):
+    import torch
+
+    from sparse_ft.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the same answer on a GPU machine
+    args, data, message = CLI_CASES[case]
+    text = _write(tmp_path / "t.txt", "def f():\n    return 1\n" * 200)
+    (tmp_path / "out").mkdir()
+    made = data(tmp_path, trained_adapter) if data else None
+    adapter_before = snapshot(trained_adapter)
+    before = snapshot(tmp_path)
+    places = {"ADAPTER": trained_adapter, "BASE": ROOT / "assets" / "tiny-base", "TEXT": text, "DATA": made, "OUT": tmp_path / "out"}
+    argv = [re.sub("|".join(places), lambda m: str(places[m.group()]), arg) for arg in args]
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert code == 2, err
+    lines = [line.rsplit("\r", 1)[-1] for line in err.split("\n")]  # a terminal shows what follows a bar's \r
+    lines = [line for line in lines if line.strip()]
+    assert sum("error:" in line for line in lines) == 1 and lines[-1].startswith(f"sparse-ft {argv[0]}: error: "), err
+    assert re.search(message, lines[-1]), lines[-1]
+    assert snapshot(tmp_path) == before and snapshot(trained_adapter) == adapter_before  # nothing written or changed
+
+
+def test_the_adapters_base_is_evaluated_by_default(trained_adapter, tmp_path, capsys):
+    """The control of the cases above: the same adapter on its own base, named or by default."""
+    from sparse_ft.cli import main
+
+    text = _write(tmp_path / "t.txt", "def f():\n    return 1\n" * 200)
+    assert main(["eval", "ppl", "--adapter", str(trained_adapter), "--data", str(text), "--lengths", "256",
+                 "--output", str(tmp_path / "r.json")]) == 0
+    assert json.loads((tmp_path / "r.json").read_text())["config"]["model"] == str(trained_adapter.parent / "base-model")
+    assert main(["eval", "ppl", "--model", "tiny", "--adapter", str(trained_adapter), "--data", str(text), "--lengths", "256",
+                 "--allow-other-base"]) == 0
+    assert "used anyway, as --allow-other-base asks" in capsys.readouterr().err
+
+
+def test_a_file_that_cannot_be_read_is_one_line(tmp_path, monkeypatch, capsys):
+    """An unreadable file (permissions; the suite may run as root, so the refusal is simulated)
+    is an OSError naming it: one line and exit 2, like every other bad input."""
+    from pathlib import Path
+
+    from sparse_ft.cli import main
+
+    text = _write(tmp_path / "t.txt", "text " * 100)
+    read_text = Path.read_text
+
+    def refused(path, *args, **kwargs):
+        if path == text:
+            raise PermissionError(13, "Permission denied", str(path))
+        return read_text(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", refused)
+    assert main(["eval", "ppl", "--model", str(ROOT / "assets" / "tiny-base"), "--data", str(text), "--lengths", "64"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"sparse-ft eval: error: [Errno 13] Permission denied: '{text}'\n"

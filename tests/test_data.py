@@ -184,3 +184,50 @@ def test_tiny_corpus_is_small_and_from_the_stdlib():
     assert 10 <= len(rows) and path.stat().st_size < 400_000 and all(r["text"] for r in rows)
     assert list(iter_stdlib_documents(["heapq", "no_such_module"])) == list(iter_stdlib_documents(["heapq"]))
     assert '"""Heap queue algorithm' in next(iter_stdlib_documents(["heapq"]))
+
+
+def test_a_full_disk_while_caching_is_one_line_and_leaves_no_partial_file(tmp_path, monkeypatch):
+    """ENOSPC midway through the token stream: the run stops naming data.cache_dir, and the
+    partial file, under a name of its own, is gone."""
+    import errno
+
+    src = write_jsonl(tmp_path / "d.jsonl", ["hello world " * 20] * 5)
+    flush = packing._flush
+
+    def full_disk(texts, tokenizer, min_tokens, out):
+        flush(texts, tokenizer, min_tokens, out)  # some bytes are written, then the disk is full
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(packing, "_flush", full_disk)
+    with pytest.raises(ValueError, match=r"^data.cache_dir .*/cache: cannot write the token cache \w+.tokens "
+                                         r"\(No space left on device\); free space there or set data.cache_dir elsewhere$"):
+        build_train_dataset(cfg(tmp_path, src), tiny_tokenizer(), seq_len=16)
+    assert list((tmp_path / "cache").iterdir()) == []
+
+
+def test_a_killed_writers_partial_cache_is_removed_by_the_next_build_and_no_other(tmp_path, capsys):
+    """What a SIGKILL leaves (``.<cache file>.<host>.<pid>.<random>.sparse-ft-tmp``) is removed once
+    its process is gone from this host; another host's, or a live process's, stays."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    src = write_jsonl(tmp_path / "d.jsonl", ["hello world " * 20] * 5)
+    tokens, _ = packing.cache_paths(cfg(tmp_path, src), tiny_tokenizer(), 16)
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout.strip()
+    host = socket.gethostname()
+    stale, live, elsewhere = (tokens.with_name(f".{tokens.name}.{h}.{pid}.0badc0de.sparse-ft-tmp")
+                              for h, pid in ((host, gone), (host, os.getpid()), ("other-host", gone)))
+    tokens.parent.mkdir(parents=True)
+    for path in (stale, live, elsewhere):
+        path.write_bytes(b"half")
+    build_train_dataset(cfg(tmp_path, src), tiny_tokenizer(), seq_len=16)
+    assert not stale.exists() and live.exists() and elsewhere.exists()
+    assert f"data cache: removed {stale.name}, left by a killed run" in capsys.readouterr().err
+
+
+def test_a_txt_document_that_is_not_utf8_is_refused_by_byte(tmp_path):
+    (tmp_path / "d.txt").write_bytes("héllo".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"d.txt: not UTF-8 text \(byte 1: invalid continuation byte\)"):
+        list(iter_texts(str(tmp_path / "d.txt")))

@@ -22,8 +22,12 @@ def test_standard_windows_by_hand():
     # predictions (tokens 1..3), each later one the 2 tokens no window scored before.
     assert plan(10, 4, 2) == [Window(0, 4, 0, 3), Window(2, 6, 3, 5), Window(4, 8, 5, 7), Window(6, 10, 7, 9)]
     assert sum(w.scored for w in plan(10, 4, 2)) == 9  # every token but the first, exactly once
-    # A stride larger than the window leaves nothing scored twice and ends at the data's end.
-    assert plan(7, 3, 5) == [Window(0, 3, 0, 2), Window(5, 7, 5, 6)]
+    # Disjoint windows (stride = L) cannot score a window's first token; a stride longer than the
+    # window would also leave the tokens between two windows unscored (3 and 4 here): refused.
+    assert sum(w.scored for w in plan(7, 3, 3)) == 4
+    with pytest.raises(ValueError, match=r"--stride 5 is longer than the window --lengths 3: the 2 tokens between two "
+                                         r"windows would never be scored; use --stride <= 3"):
+        plan(7, 3, 5)
     assert plan(10, 4, 2, max_windows=2) == plan(10, 4, 2)[:2]
 
 

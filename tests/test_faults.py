@@ -1,10 +1,10 @@
 """Faults a training run meets, each injected on purpose: SIGKILL in the middle of a save,
 SIGTERM / SIGINT (preemption), a corrupt latest checkpoint, a full disk, a second run in the
 same directory, a stale lock, a fresh run over an old one, a resume with the recipe changed,
-a loss, gradient or weight gone non-finite. Every case asserts that nothing the user had is
-lost and, where the run resumes, that its loss curve is the uninterrupted one. (The
-two-process DeepSpeed cases, a corrupt checkpoint and a signal to one rank, are in
-test_train_deepspeed.py.)"""
+with its data edited in place, or onto a base of other shapes, a loss, gradient or weight gone
+non-finite. Every case asserts that nothing the user had is lost and, where the run resumes,
+that its loss curve is the uninterrupted one. (The two-process DeepSpeed cases, a corrupt
+checkpoint and a signal to one rank, are in test_train_deepspeed.py.)"""
 
 import errno
 import functools
@@ -20,8 +20,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers_train import (common, curve, losses, one_thread, reference, snapshot, start, start_killed_during_save,  # noqa: F401
-                           start_paused_in_save, train_py, wait_for)
+from helpers_train import (ROOT, common, curve, losses, one_thread, reference, snapshot, start,  # noqa: F401
+                           start_killed_during_save, start_paused_in_save, train_py, wait_for)
 from sparse_ft.config import load_recipe
 from sparse_ft.train import checkpoint, stopping
 from sparse_ft.train.deepspeed import DeepSpeedEngine
@@ -209,21 +209,69 @@ def test_overwrite_output_dir_deletes_its_own_checkpoints_and_results_and_nothin
     assert snapshot(tmp_path) == others and "checkpoint-best/meta.json" in others
 
 
-@pytest.mark.parametrize("change, named", [
-    ("lora.r=16", "lora.r: 8 then, 16 now"),
-    ("train.lr=0.002", "train.lr: 0.001 then, 0.002 now"),
-    ("attention.pattern=s2", "attention.pattern: 'scca_flow' then, 's2' now"),
+SHAPED = "lora.r shape(s) the trained tensors, which no resume can change (not even train.resume_allow_changes)"
+
+
+@pytest.mark.parametrize("change, named, remedy", [
+    (["lora.r=16"], "lora.r: 8 then, 16 now", SHAPED),
+    # allowed, but no checkpoint's tensors continue under another shape: refused before the model loads
+    (["lora.r=16", "train.resume_allow_changes=[lora.r]"], "lora.r: 8 then, 16 now", SHAPED),
+    (["train.lr=0.002"], "train.lr: 0.001 then, 0.002 now", "list them in train.resume_allow_changes=[train.lr]"),
+    # allowed, but the run's base-model/ was written once from the old value: it would train on that
+    (["model.tiny.rope_parameters.factor=4.0", "train.resume_allow_changes=[model.tiny]"], "model.tiny: {",
+     "model.tiny built the base this run wrote into its directory (base-model/) and trains on, which no resume can change"),
+    (["attention.pattern=s2"], "attention.pattern: 'scca_flow' then, 's2' now",
+     "list them in train.resume_allow_changes=[attention.pattern,"),
 ])
-def test_a_resume_with_a_changed_recipe_is_refused_by_name(tmp_path, common, reference, change, named, capsys):
+def test_a_resume_with_a_changed_recipe_is_refused_by_name(tmp_path, common, reference, change, named, remedy, capsys):
     out = tmp_path / "run"
     copy_checkpoints(reference[0], out, 4)
     shutil.copy(reference[0] / "recipe.resolved.yaml", out)
     before = snapshot(out)
-    assert train_py(*run_in(out, common, change)) == 2
+    assert train_py(*run_in(out, common, *change)) == 2
     line = one_error_line(capsys.readouterr().err)
     assert f"train.resume: {out / 'checkpoint-4'} was written with other settings (" in line and named in line
-    assert f"train.resume_allow_changes=[{change.split('=')[0]}" in line
+    assert remedy in line
     assert snapshot(out) == before  # recipe.resolved.yaml included
+
+
+@pytest.mark.slow
+def test_a_resume_on_changed_data_of_the_same_size_is_refused_by_name(tmp_path, common, capsys):
+    """The recipe unchanged, its data file edited in place (one byte: the same number of
+    samples): the checkpoint's token-cache sha256 names the change, in one line, before the
+    model loads; allowing data.source continues on the new data."""
+    out, data = tmp_path / "run", tmp_path / "docs.jsonl"
+    shutil.copy(ROOT / "data" / "tiny" / "train.jsonl", data)
+    run = [*common, f"data.source={data}", "data.max_documents=2", "train.max_steps=3"]
+    assert train_py(*run_in(out, run, "train.max_steps=2")) == 0
+    data.write_text(data.read_text().replace("Heap queue", "Heap Queue", 1))
+    before = snapshot(out)
+    assert train_py(*run_in(out, run, "train.resume_allow_changes=[train.max_steps]")) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert f"train.resume: {out / 'checkpoint-2'} was written on other training data (sha256: '" in line
+    assert "list data.source in train.resume_allow_changes to continue on the new data" in line and "samples:" not in line
+    assert snapshot(out) == before
+    assert train_py(*run_in(out, run, "train.resume_allow_changes=[train.max_steps,data.source]")) == 0
+    assert f"resumed from {out / 'checkpoint-2'} at step 2" in capsys.readouterr().out
+    assert checkpoint.read_meta(out / "checkpoint-3")["data"]["sha256"] != checkpoint.read_meta(out / "checkpoint-2")["data"]["sha256"]
+
+
+@pytest.mark.slow
+def test_a_resume_onto_a_base_of_other_shapes_is_refused_by_name_even_when_allowed(tmp_path, capsys):
+    from sparse_ft.modeling.tiny import tiny_llama, tiny_tokenizer
+
+    other, out = tmp_path / "wider", tmp_path / "run"
+    tiny_llama(hidden_size=128, intermediate_size=256).save_pretrained(other)
+    tiny_tokenizer().save_pretrained(other)
+    run = ["recipe=tiny", "deepspeed=null", f"train.output_dir={out}", f"data.cache_dir={tmp_path / 'cache'}",
+           "train.report_to=[none]", "data.max_documents=2", "train.max_steps=2"]
+    assert train_py(*run) == 0
+    kept = snapshot(out / "checkpoint-2")
+    assert train_py(*run, f"model.name_or_path={other}", "train.resume_allow_changes=[model.name_or_path]") == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert (f"train.resume: {out / 'checkpoint-2'} has a tensor of shape (384, 64) for the trainable parameter "
+            "base_model.model.model.embed_tokens.modules_to_save.default.weight of shape (384, 128)") in line
+    assert snapshot(out / "checkpoint-2") == kept
 
 
 @pytest.mark.slow

@@ -187,11 +187,37 @@ def test_flex_refuses_cpu_training_and_flash_needs_cuda():
         (lambda: attn_patterns.get("mixed", parts=[("sda", 0.25), ("s2", 0.75)]).mask(8, 4), r"num_heads=4 gives 3 heads to s2: num_heads=3 must be divisible by 2"),
         (lambda: attn_patterns.get("mixed", parts=[("sda", 1.5)]), r"share=1.5 of 'sda' must be a number in \(0, 1\]"),
         (lambda: attn_patterns.get("mixed", parts=[("nope", 1.0)]), r"pattern='nope' is unknown"),
+        (lambda: attn_patterns.get("mixed"), r"mixed: parameter\(s\) parts required \(it has no default\)"),
     ],
 )
 def test_bad_parameters_name_the_rule(call, message):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+@pytest.mark.parametrize("name, params", PATTERNS, ids=IDS)
+def test_degenerate_lengths_are_refused_and_the_rest_kept(name, params):
+    """A length at which some head lets no query see 2 keys is refused (chunks of one token
+    would run as attention to each token alone); every length where the dense mask shows a
+    query with 2 keys on every head passes. The check agrees with the mask it guards."""
+    pattern = attn_patterns.get(name, **params)
+    heads = pattern.fewest_heads()
+    for n in range(1, 40):
+        widest = pattern.mask(n, heads).sum(dim=-1).amax(dim=-1)  # per head, its best-seeing query
+        if bool((widest >= 2).all()):
+            pattern.check_length(n)
+        else:
+            with pytest.raises(ValueError, match=r"fewer than 2 keys per chunk"):
+                pattern.check_length(n)
+
+
+def test_degenerate_parameters_by_hand():
+    attn_patterns.get("s2", chunks=511).check_length(512)  # chunks of 2 tokens: sparse, not off
+    with pytest.raises(ValueError, match=r"^s2\(chunks=512\) at sequence length 512: no query of head 0 \(of 2\) sees more than 1 key"):
+        attn_patterns.get("s2", chunks=512).check_length(512)
+    with pytest.raises(ValueError, match=r"^sda\(dilation=512\) at sequence length 512: "):
+        attn_patterns.get("sda", dilation=512).check_length(512)
+    attn_patterns.get("sda", dilation=511).check_length(512)
 
 
 def test_shape_errors():

@@ -1,7 +1,8 @@
 """DeepSpeed Ulysses on two CPU ranks (gloo), launched as the docs say: each sequence split
 over both ranks, each rank attending with half the heads, gives the single-process run's
 per-step losses, gradient norms and adapter for s2, scca_flow and longmixed; a resume from
-a checkpoint whose position falls inside the adapter's round of batches continues that curve.
+a checkpoint whose position falls inside the adapter's round of batches continues that curve,
+and so does one in a single process without sequence parallelism.
 One launch trains all of them (each launch costs ~30 s here): run as a script, this module is
 what every rank runs."""
 
@@ -66,6 +67,14 @@ def test_ulysses_two_ranks_train_exactly_like_one_process_and_resume(tmp_path):
             torch.testing.assert_close(tensor, expected[name], atol=1e-6, rtol=1e-5)
     # the probe written under SP (evaluation runs whole sequences per rank) is the saved adapter's
     assert_adapter_reproduces_probe(tmp_path / "sp" / RESUMED)
+    # the SP run's step-1 checkpoint resumed in one process without SP continues the single-process curve
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    shutil.copytree(tmp_path / "sp" / RESUMED / "checkpoint-1", moved / "checkpoint-1")
+    allow = "train.resume_allow_changes=[world_size,train.sequence_parallel_size]"
+    train(load_recipe("tiny", recipe_args(moved, cache, RESUMED, "deepspeed=null", allow)))
+    got, want = records(moved / "log.jsonl"), records(tmp_path / "single" / RESUMED / "log.jsonl")
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in want], abs=2e-6)
 
 
 def _ranks_main(root: Path, cache: Path) -> None:

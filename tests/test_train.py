@@ -40,9 +40,11 @@ def test_single_process_run_composes_rope_and_saves_a_complete_adapter(reference
     assert (out / "recipe.resolved.yaml").is_file()
     # nothing pickled: checkpoints are safetensors + JSON
     assert complete_checkpoints(out) == [2, 4, 6, 8]  # the last step's too
-    assert {p.suffix for p in (out / "checkpoint-4").iterdir()} == {".safetensors", ".json"}
+    assert {p.suffix for p in (out / "checkpoint-4").iterdir()} == {".safetensors", ".json", ".md"}  # .md: PEFT's model card
     ckpt = json.loads((out / "checkpoint-4" / "meta.json").read_text())
     assert ckpt["data"]["micro_batches"] == 4 * 2 and len(ckpt["history"]) == 4 and ckpt["optimizer_steps"] == 4
+    assert (ckpt["data"]["epoch"], ckpt["data"]["consumed"]) == (0, 4 * 2)  # 8 samples of epoch 0's order
+    assert len(ckpt["data"]["sha256"]) == 64 and {"adapter_config.json", "adapter_model.safetensors"} <= set(ckpt["files"])
     optimizer = load_file(str(out / "checkpoint-4" / "optimizer.safetensors"))
     assert any(k.endswith("::exp_avg_sq") and v.abs().sum() > 0 for k, v in optimizer.items())
 
@@ -174,6 +176,34 @@ def test_merge_writes_a_plain_model_with_the_trained_positions(tmp_path, referen
 
 
 @pytest.mark.slow
+def test_every_checkpoint_is_an_adapter_that_eval_and_merge_take(tmp_path, reference, capsys):
+    """checkpoint-N is a PEFT adapter with the run's sparse_ft.json: the last one holds exactly
+    the final adapter's tensors, and an earlier one evaluates and merges like it."""
+    from transformers import AutoModelForCausalLM
+
+    from sparse_ft.cli import main
+    from sparse_ft.modeling.model_io import read_meta
+
+    out = reference[0]
+    last, final = load_file(str(out / "checkpoint-8" / "adapter_model.safetensors")), load_file(str(out / "adapter" / "adapter_model.safetensors"))
+    assert last.keys() == final.keys() and all(torch.equal(last[k], final[k]) for k in final)
+    assert read_meta(out / "checkpoint-4") == read_meta(out / "adapter")
+    text = tmp_path / "text.txt"
+    text.write_text((ROOT / "README.md").read_text()[:3000])
+    for name in ("checkpoint-4", "adapter"):
+        assert main(["eval", "ppl", "--model", str(out / "base-model"), "--adapter", str(out / name), "--data", str(text),
+                     "--lengths", "512", "--output", str(tmp_path / f"{name}.json")]) == 0, capsys.readouterr().err
+    ppl = {name: json.loads((tmp_path / f"{name}.json").read_text())["results"][0]["ppl"] for name in ("checkpoint-4", "adapter")}
+    assert all(0 < value < float("inf") for value in ppl.values()) and ppl["checkpoint-4"] != ppl["adapter"]
+    assert main(["merge", "--adapter", str(out / "checkpoint-4"), "--output", str(tmp_path / "merged")]) == 0
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    unmerged = load_adapter_model(out / "checkpoint-4").eval()
+    ids = load_file(str(out / "adapter_probe.safetensors"))["input_ids"]
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, unmerged(input_ids=ids).logits, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.slow
 def test_prepare_train_builds_the_cache_the_trainer_reuses(tmp_path, common, reference, capsys):
     cache = Path(next(o for o in common if o.startswith("data.cache_dir=")).split("=", 1)[1])
     before = sorted(cache.rglob("*"))
@@ -192,6 +222,60 @@ def test_checkpoints_from_before_a_key_existed_resume_at_its_default(tmp_path):
     check_resume(old, {"train.seed": 42, "train.sequence_parallel_size": 1, "world_size": 1}, [], tmp_path)
     with pytest.raises(ValueError, match=r"train\.sequence_parallel_size: 1 then, 2 now"):
         check_resume(old, {"train.seed": 42, "train.sequence_parallel_size": 2, "world_size": 1}, [], tmp_path)
+
+
+@pytest.mark.parametrize("groups", [[2, 1, 2], [3, 1, 4, 2], [1, 3]])
+def test_the_data_order_continues_an_epoch_on_any_number_of_processes(groups):
+    """Resumed with another number of data-parallel groups at every third micro-batch, a run
+    trains on each sample of an epoch at most once, drops fewer than one micro-batch's worth,
+    and goes on into the next epoch; without a change it is the order of before (rank r's
+    m-th batch: slot m × world + r of epoch m // per_epoch's permutation)."""
+    from sparse_ft.train.data_order import DataOrder, DataPosition
+
+    size, batch, seed = 23, 2, 5
+    position, seen = DataPosition(), []
+    for n in groups:
+        order = DataOrder(size, batch, n, seed=seed)
+        for micro in range(3):
+            at = order.advance(position, micro)
+            seen.append([i for g in range(n) for i in order.indices(at, g)] if order.advance(at, 1).epoch == 0 else [])
+        position = order.advance(position, 3)
+    first_epoch = [i for ids in seen for i in ids]
+    assert len(first_epoch) == len(set(first_epoch)) > size - batch * max(groups)
+    assert position.epoch >= 1 or position.consumed == len(first_epoch)
+
+    for world in (1, 3):
+        order, per_epoch = DataOrder(size, batch, world, seed=seed), size // (batch * world)
+        for micro in range(2 * per_epoch + 1):
+            epoch, within = divmod(micro, per_epoch)
+            perm = torch.randperm(size, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+            for rank in range(world):
+                first = (within * world + rank) * batch
+                assert order.indices(order.advance(DataPosition(), micro), rank) == perm[first : first + batch]
+
+
+def test_a_checkpoint_from_before_positions_were_recorded_resumes_where_it_stood(tmp_path):
+    from sparse_ft.train.data_order import DataPosition, saved_position
+
+    fingerprint = {"train.per_device_batch_size": 2, "train.sequence_parallel_size": 1}
+    # 23 samples, 2 ranks of 2: 5 micro-batches an epoch; micro-batch 7 is the third of epoch 1
+    assert saved_position({"samples": 23, "micro_batches": 7}, fingerprint, 2, tmp_path) == DataPosition(1, 8)
+    sp = {**fingerprint, "train.sequence_parallel_size": 2}
+    assert saved_position({"samples": 23, "micro_batches": 3}, sp, 2, tmp_path) == DataPosition(0, 6)  # one SP group
+    with pytest.raises(ValueError, match=r"stopped inside a round of sequence-parallel batches \(1 of 2\)"):
+        saved_position({"samples": 23, "micro_batches": 3}, sp, 4, tmp_path)
+    assert saved_position({"samples": 23, "micro_batches": 9, "epoch": 1, "consumed": 8}, sp, 4, tmp_path) == DataPosition(1, 8)
+
+
+def test_another_number_of_processes_is_refused_unless_allowed(tmp_path, capsys):
+    from sparse_ft.train.fingerprint import check_resume
+
+    with pytest.raises(ValueError, match=r"\(world_size: 2 then, 1 now\); restore them, list them in "
+                                         r"train.resume_allow_changes=\[world_size\] to continue anyway"):
+        check_resume({"world_size": 2}, {"world_size": 1}, [], tmp_path)
+    check_resume({"world_size": 2}, {"world_size": 1}, ["world_size"], tmp_path)
+    assert f"resuming {tmp_path} with world_size: 2 then, 1 now" in capsys.readouterr().out
+    load_recipe("tiny", ["deepspeed=null", "train.resume_allow_changes=[world_size]"])  # an entry the recipe may list
 
 
 def test_decay_ends_at_the_floor_and_matrices_alone_decay_on_request():

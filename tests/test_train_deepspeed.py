@@ -22,6 +22,8 @@ from helpers_train import assert_adapter_reproduces_probe, losses, overrides
 from sparse_ft.files.outputs import RUN_LOCK
 from sparse_ft.train import checkpoint
 
+from sparse_ft.modeling.weight_files import fingerprint
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -61,6 +63,8 @@ def test_two_process_deepspeed_zero3_on_cpu_saves_a_complete_adapter_and_resumes
     assert summary["world_size"] == 2 and summary["steps"] == 4
     meta = assert_adapter_reproduces_probe(out)
     assert meta["train_attention"]["pattern"] == "scca_flow"
+    # read from the base's files, not from the ZeRO-3 partitions: what eval and merge compare with
+    assert meta["base_fingerprint"] == fingerprint(str(out / "base-model"))
     assert meta["rope_parameters"]["factor"] == 2.0 and meta["max_position_embeddings"] == 512
     assert len(first) == 4
 

@@ -82,10 +82,18 @@ def configure(bench: argparse.ArgumentParser) -> None:
 
 
 def _setup(args: argparse.Namespace, name: str) -> tuple[Any, str, list[int]]:
-    """Device, dtype and lengths, with the checks every benchmark shares."""
+    """Device, dtype and lengths, with the checks every benchmark shares (the output file
+    among them: a sweep must not end in a traceback after its measurements)."""
     import torch
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    from sparse_ft.modeling.devices import check_device, default_device
+
+    try:
+        if args.device == "auto":
+            raise ValueError("--device auto: a benchmark runs on one device; name it (cpu, cuda, cuda:0)")
+        device = torch.device(check_device(args.device or default_device()))
+    except ValueError as err:
+        raise ValueError(f"bench {name}: {err}") from None
     dtype = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
     try:
         lengths = _ints(args.lengths)
@@ -94,18 +102,25 @@ def _setup(args: argparse.Namespace, name: str) -> tuple[Any, str, list[int]]:
     if args.warmup < 0 or args.repeats < 1:
         raise ValueError(f"bench {name}: --warmup={args.warmup} must be >= 0 and --repeats={args.repeats} >= 1")
     if args.output is not None:
-        _check_output(args.output, args.overwrite)
+        _check_output(args.output, args.overwrite, f"bench {name}: --output")
     return device, dtype, lengths
 
 
-def _check_output(output: Path, overwrite: bool) -> None:
+def _check_output(output: Path, overwrite: bool, flag: str) -> None:
     """The JSON and the markdown beside it: new, or sparse-ft's own with ``--overwrite``."""
     from sparse_ft.files.outputs import check_output_file
 
+    check_output_file(output, flag, overwrite)
     if output.suffix != ".json":
-        raise ValueError(f"--output {output} must end in .json (the markdown table is written beside it, as .md)")
-    for path in (output, output.with_suffix(".md")):
-        check_output_file(path, "--output", overwrite)
+        raise ValueError(f"{flag} {output} must end in .json (the markdown table is written beside it, as .md)")
+    check_output_file(output.with_suffix(".md"), flag, overwrite)
+
+
+def _names(text: str, flag: str) -> list[str]:
+    names = [p for p in text.split(",") if p]
+    if not names:
+        raise ValueError(f"{flag}={text!r} names no pattern")
+    return names
 
 
 def _backends(text: str, device: Any, dtype: str, flag: str) -> list[str]:
@@ -136,7 +151,7 @@ def main(args: argparse.Namespace) -> int:
         heads, dims = _ints(args.heads), _ints(args.head_dims)
     except argparse.ArgumentTypeError as err:
         raise ValueError(f"bench attention: {err}") from None
-    patterns = [p for p in args.patterns.split(",") if p]
+    patterns = _names(args.patterns, "bench attention: --patterns")
     backends = _backends(args.backends, device, dtype, "bench attention: --backends")
     import attn_patterns
 
@@ -162,7 +177,7 @@ def main_train(args: argparse.Namespace) -> int:
     from sparse_ft.bench.machine import describe
 
     device, dtype, lengths = _setup(args, "train")
-    patterns = [p for p in args.patterns.split(",") if p]
+    patterns = _names(args.patterns, "bench train: --patterns")
     if args.backend is not None:
         _backends(args.backend, device, dtype, "bench train: --backend")
     train_step.trained_methods(patterns, args.backend, dtype)  # the names and backend a recipe takes
@@ -206,8 +221,13 @@ def main_dca(args: argparse.Namespace) -> int:
 def main_eval(args: argparse.Namespace) -> int:
     from sparse_ft.bench import eval_throughput, models
     from sparse_ft.bench.machine import describe
+    from sparse_ft.evaluation import windows
 
     device, dtype, lengths = _setup(args, "eval")
+    try:
+        windows.check(lengths, stride=1)
+    except ValueError as err:
+        raise ValueError(f"bench eval: {err}") from None
     machine = describe(device)
     title = (f"sliding-window PPL throughput, one window per run, NF4 (double quantisation, {dtype} compute) vs "
              f"{dtype}, {models.describe(args.model)}, random weights, fastest of {args.repeats} alternating runs "

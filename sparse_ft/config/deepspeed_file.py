@@ -37,11 +37,62 @@ def deepspeed_config_path(name_or_path: str) -> Path:
 
 
 def read_deepspeed_config(name_or_path: str) -> dict:
+    """The config, checked to have the shape the recipe's checks and the trainer read (an
+    object; its ``zero_optimization``, ``bf16`` and ``fp16`` objects; counts that are counts),
+    so that a wrong one fails in one line naming the file and key, not in a traceback."""
     path = deepspeed_config_path(name_or_path)
+    where = f"recipe key deepspeed={name_or_path!r}" + ("" if str(path) == name_or_path else f" ({path})")
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"recipe key deepspeed={name_or_path!r}: {path} is not valid JSON: {err}") from None
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{where} is not valid JSON: {err}") from None
+    _check_shape(config, where)
+    return config
+
+
+# sections the checks read as objects, and keys that hold a count or "auto"
+SECTIONS = ("zero_optimization", *(short for short in DTYPES.values() if short != "fp32"))
+COUNTS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "sequence_parallel_size")
+
+
+def _check_shape(config: Any, where: str) -> None:
+    if not isinstance(config, dict):
+        raise ValueError(f"{where} holds a JSON {type(config).__name__}, not an object of DeepSpeed settings")
+    for key in SECTIONS:
+        if key in config and not isinstance(config[key], dict):
+            raise ValueError(f"{where}: {key}={config[key]!r} must be an object (e.g. {key}: {{...}})")
+    for short in SECTIONS[1:]:
+        enabled = config.get(short, {}).get("enabled", False)
+        if not isinstance(enabled, bool):
+            raise ValueError(f"{where}: {short}.enabled={enabled!r} must be true or false")
+    stage = config.get("zero_optimization", {}).get("stage", 0)
+    if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
+        raise ValueError(f"{where}: zero_optimization.stage={stage!r} must be 0, 1, 2 or 3")
+    for key in COUNTS:
+        value = config.get(key, "auto")
+        if not is_auto(value) and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"{where}: {key}={value!r} must be a positive integer or \"auto\"")
+    clip = config.get("gradient_clipping", "auto")
+    if not is_auto(clip) and (not isinstance(clip, (int, float)) or isinstance(clip, bool)):
+        raise ValueError(f"{where}: gradient_clipping={clip!r} must be a number or \"auto\"")
+
+
+def check_with_deepspeed(config: dict, name: str) -> None:
+    """The config's ZeRO and precision sections through DeepSpeed's own validation (pydantic),
+    before anything loads: a misspelt or wrong-typed setting would otherwise fail in
+    ``deepspeed.initialize``, after the weights. Imports deepspeed (seconds), so the trainer's
+    preflight calls it, not the recipe loader."""
+    from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from pydantic import ValidationError
+
+    for key, model in (("zero_optimization", DeepSpeedZeroConfig), ("bf16", DeepSpeedBF16Config), ("fp16", DeepSpeedFP16Config)):
+        try:
+            model(**config.get(key, {}))
+        except ValidationError as err:
+            first = err.errors()[0]
+            field = ".".join(str(part) for part in (key, *first["loc"]))
+            raise ValueError(f"deepspeed config {name}: {field}={first.get('input')!r} is invalid: {first['msg']}") from None
 
 
 def is_auto(value: Any) -> bool:

@@ -41,10 +41,16 @@ def find_recipe(name_or_path: str) -> Path:
     """``recipes/**/NAME.yaml``, or a path to a YAML file."""
     path = Path(name_or_path)
     if path.suffix in (".yaml", ".yml") or path.exists():
+        if path.is_dir():
+            raise ValueError(f"recipe file {name_or_path} is a directory; name a .yaml file")
         if not path.is_file():
             raise FileNotFoundError(f"recipe file {name_or_path} does not exist")
         return path
-    found = sorted(p for d in RECIPE_DIRS for p in d.rglob(f"{name_or_path}.yaml"))
+    found = [] if path.is_absolute() else sorted(p for d in RECIPE_DIRS for p in d.rglob(f"{name_or_path}.yaml"))
+    if not found and (len(path.parts) > 1 or path.is_absolute()):  # a path, not a name under recipes/
+        with_suffix = [str(p) for p in (path.with_name(path.name + ".yaml"), path.with_name(path.name + ".yml")) if p.is_file()]
+        hint = f" (did you mean {with_suffix[0]}?)" if with_suffix else ""
+        raise FileNotFoundError(f"recipe={name_or_path}: no such recipe file; a path names the file with its .yaml suffix{hint}")
     if not found:
         known = recipe_names()
         close = difflib.get_close_matches(name_or_path, known, n=3)
@@ -119,18 +125,31 @@ def _read(path: Path, seen: tuple = ()) -> dict:
     if path.resolve() in seen:
         raise ValueError(f"recipe inherit cycle: {' -> '.join(map(str, seen + (path.resolve(),)))}")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as err:
+        raise ValueError(f"recipe {path} is not UTF-8 text (byte {err.start})") from None
+    except OSError as err:
+        raise ValueError(f"recipe {path} cannot be read ({err.strerror or err})") from None
     except yaml.YAMLError as err:
-        raise ValueError(f"recipe {path} is not valid YAML: {err}") from None
+        raise ValueError(f"recipe {path} is not valid YAML: {_yaml_problem(err)}") from None
     if not isinstance(data, dict):
         raise ValueError(f"recipe {path} must be a YAML mapping of sections (model, attention, lora, data, train, deepspeed)")
     parent = data.pop("inherit", None)
+    if parent is not None and (not isinstance(parent, str) or not parent):
+        raise ValueError(f"recipe {path}: inherit={parent!r} must name one recipe (a name under recipes/ or a .yaml path)")
     data = _anchor_paths(data, _base_dir(path))
     if parent:
         if Path(parent).suffix in (".yaml", ".yml"):  # a path, beside this recipe; else a name
             parent = str(path.resolve().parent / Path(parent).expanduser())
         data = _layer(_read(find_recipe(parent), seen + (path.resolve(),)), data)
     return data
+
+
+def _yaml_problem(err: "yaml.YAMLError") -> str:
+    """PyYAML's multi-line message as one line: the problem and where (line, column)."""
+    mark = getattr(err, "problem_mark", None)
+    problem = getattr(err, "problem", None) or " ".join(str(err).split())
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else problem
 
 
 def parse_overrides(overrides: list[str]) -> dict:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn, Optional
 
+from sparse_ft.files.outputs import file_in_the_way
 from sparse_ft.config.deepspeed_file import RECIPE_OWNED, is_auto, precision, read_deepspeed_config
 from sparse_ft.modeling.dtypes import NAMES as DTYPE_NAMES
 from sparse_ft.modeling.rope import METHODS as ROPE_METHODS
@@ -83,7 +84,7 @@ class TrainSection:
     resume: str = "auto"  # auto | never | a checkpoint directory
     # with resume=never: delete the checkpoint-* directories an earlier run left in output_dir (nothing else)
     overwrite_output_dir: bool = False
-    resume_allow_changes: list[str] = field(default_factory=list)  # RESUME_KEYS a resume may find changed
+    resume_allow_changes: list[str] = field(default_factory=list)  # RESUME_KEYS (or world_size) a resume may find changed
     report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
 
 
@@ -126,6 +127,8 @@ RESUME_KEYS = ("model.name_or_path", "model.dtype", "model.target_length", "mode
                "train.scheduler", "train.min_lr_ratio", "train.warmup_steps", "train.max_steps", "train.num_epochs",
                "train.per_device_batch_size", "train.gradient_accumulation_steps", "train.sequence_parallel_size",
                "train.max_grad_norm")
+# not a recipe key: the number of processes a checkpoint was written by, which a resume may also be allowed to change
+WORLD_SIZE = "world_size"
 
 
 class BadInput(ValueError):
@@ -183,6 +186,10 @@ def validate(recipe: Recipe) -> None:
         fail("lora.dropout", recipe.lora.dropout, "must be in [0, 1)")
     if not recipe.lora.target_modules:
         fail("lora.target_modules", recipe.lora.target_modules, "at least one module name, e.g. [q_proj, k_proj, v_proj, o_proj]")
+    for key in ("lora.target_modules", "lora.extra_trainable"):
+        names = getattr(recipe.lora, key.split(".")[1])
+        if not all(name.strip() for name in names):
+            fail(key, names, "module names, none empty (an empty name would match every module)")
     _check_data(recipe)
     _check_tiny(recipe.model)
     _check_attention(recipe)
@@ -213,8 +220,7 @@ def _check_output_dir(recipe: Recipe) -> None:
     from sparse_ft.files.outputs import check_apart
 
     train = recipe.train
-    if Path(train.output_dir).exists() and not Path(train.output_dir).is_dir():
-        fail("train.output_dir", train.output_dir, "a directory (to be created, or an earlier run's); this is a file")
+    _check_directory("train.output_dir", train.output_dir)
     cwd, out = Path.cwd().resolve(), Path(train.output_dir).resolve()
     if out == cwd or out in cwd.parents:
         fail("train.output_dir", train.output_dir, f"a directory of the run's own (e.g. runs/NAME), not the current directory {cwd} "
@@ -227,12 +233,22 @@ def _check_output_dir(recipe: Recipe) -> None:
     if train.overwrite_output_dir and train.resume != "never":
         fail("train.overwrite_output_dir", True, f"only applies with train.resume=never (a fresh run), not {train.resume!r}")
     for key in train.resume_allow_changes:
-        if key not in RESUME_KEYS:
-            fail("train.resume_allow_changes", train.resume_allow_changes, f"entries allowed: {', '.join(RESUME_KEYS)}")
+        if key not in (*RESUME_KEYS, WORLD_SIZE):
+            fail("train.resume_allow_changes", train.resume_allow_changes, f"entries allowed: {', '.join((*RESUME_KEYS, WORLD_SIZE))}")
+
+
+def _check_directory(key: str, value: str) -> None:
+    """A directory a run writes into can be one: it, or the nearest of its parents that exists,
+    is no file."""
+    blocking = file_in_the_way(Path(value))
+    if blocking is not None:
+        where = "this is a file" if blocking == Path(value) else f"{blocking} is a file"
+        fail(key, value, f"a directory (to be created, or an earlier run's); {where}")
 
 
 def _check_data(recipe: Recipe) -> None:
     data = recipe.data
+    _check_directory("data.cache_dir", data.cache_dir)
     if data.max_documents is not None and data.max_documents < 1:
         fail("data.max_documents", data.max_documents, "must be >= 1, or null for all")
     if data.seq_len is not None and not 2 <= data.seq_len <= recipe.model.target_length:
@@ -257,8 +273,9 @@ def _check_tiny(model: ModelSection) -> None:
 
 def _check_attention(recipe: Recipe) -> None:
     """The pattern, its parameters and the backend, checked by the code that will build the
-    method (a constructor is what knows its allowed values, e.g. ``chunks >= 1``); the method
-    built for the check is dropped, since the trainer builds the one it trains through.
+    method (a constructor is what knows its allowed values, e.g. ``chunks >= 1``), and at the
+    sequence length it will train at (chunks of one token would switch attention off); the
+    method built for the check is dropped, since the trainer builds the one it trains through.
     ``auto`` is checked as the default backend every method takes: which backend it becomes is
     the training machine's to say."""
     from sparse_ft import methods
@@ -266,9 +283,13 @@ def _check_attention(recipe: Recipe) -> None:
     att = recipe.attention
     given = None if att.backend == "auto" else att.backend
     try:
-        methods.for_training(att.pattern, att.params, given, recipe.model.dtype)
+        method, _ = methods.for_training(att.pattern, att.params, given, recipe.model.dtype)
     except (TypeError, ValueError) as err:
         raise BadInput(f"recipe key attention.pattern / attention.params: {err}") from None
+    try:
+        method.check_length(recipe.seq_len)
+    except ValueError as err:
+        fail("attention.params", att.params, f"{err} (the sequence length is data.seq_len, else model.target_length)")
     if att.backend == "flash" and recipe.model.dtype == "float32":
         fail("attention.backend", att.backend, "flash-attn computes in float16/bfloat16 only and model.dtype is float32; use sdpa or auto")
 

@@ -4,8 +4,10 @@ into fixed-length samples (labels = inputs; the model shifts them).
 The token stream goes to a cache file as it is produced, so a large streamed source never
 sits in memory, and a finished cache is found again by a key over everything that changes
 its contents. Caches are written to a temporary name and renamed: a crash leaves no file
-that looks complete. The sidecar records the tokens file's size and sha256, checked at every
-load: a cache cut short or overwritten is rebuilt, not trained on.
+that looks complete, and a later build removes the temporary files of writers killed on this
+host (``remove_stale_scratch``), never one another host or a live process is writing. The
+sidecar records the tokens file's size and sha256, checked at every load: a cache cut short
+or overwritten is rebuilt, not trained on.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from tqdm import tqdm
 
 from sparse_ft.data.sources import iter_texts, local_files
 from sparse_ft.data.token_files import sha256_file
-from sparse_ft.files.outputs import atomic_file
+from sparse_ft.files.outputs import atomic_file, remove_stale_scratch
 
 BATCH = 64
 TOKEN_BYTES = np.dtype(np.int32).itemsize
@@ -43,6 +45,11 @@ class TokenBlocks(torch.utils.data.Dataset):
         ids = torch.from_numpy(np.array(self.samples[index], dtype=np.int64))
         return {"input_ids": ids, "labels": ids}
 
+    def sha256(self) -> str:
+        """The samples' content, which a checkpoint records so that a resume on other data is
+        refused (``sparse_ft.train.fingerprint.check_data``)."""
+        return hashlib.sha256(np.ascontiguousarray(self.samples).data).hexdigest()
+
 
 class PackedDataset(TokenBlocks):
     """Fixed-length samples read from the cache by memory map."""
@@ -51,6 +58,11 @@ class PackedDataset(TokenBlocks):
         tokens = np.memmap(path, dtype=np.int32, mode="r")
         super().__init__(tokens[: len(tokens) // seq_len * seq_len].reshape(-1, seq_len))
         self.path, self.seq_len = path, seq_len
+
+    def sha256(self) -> str:
+        """The token cache's sha256, computed once when the cache was built and checked against
+        the file when it loaded: reading it costs nothing more."""
+        return load_meta(self)["sha256"]
 
 
 def _fingerprint(source: str) -> list:
@@ -84,9 +96,20 @@ def build_train_dataset(data_cfg: Any, tokenizer, seq_len: int, trust_remote_cod
     if problem:
         print(f"data cache {tokens_path}: {problem}; rebuilding it", file=sys.stderr, flush=True)
     if problem or not meta_path.exists():
-        _write_cache(data_cfg, tokenizer, seq_len, tokens_path, meta_path=meta_path,
-                     trust_remote_code=trust_remote_code)
+        _remove_stale(tokens_path, meta_path)
+        try:
+            _write_cache(data_cfg, tokenizer, seq_len, tokens_path, meta_path=meta_path,
+                         trust_remote_code=trust_remote_code)
+        except OSError as err:  # a full disk, a read-only or vanished directory
+            raise ValueError(f"data.cache_dir {data_cfg.cache_dir}: cannot write the token cache {tokens_path.name} "
+                             f"({err.strerror or err}); free space there or set data.cache_dir elsewhere") from None
     return PackedDataset(tokens_path, seq_len)
+
+
+def _remove_stale(*paths: Path) -> None:
+    for path in paths:
+        for tmp in remove_stale_scratch(path):
+            print(f"data cache: removed {tmp.name}, left by a killed run", file=sys.stderr, flush=True)
 
 
 def _cache_problem(tokens_path: Path, meta_path: Path) -> Optional[str]:

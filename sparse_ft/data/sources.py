@@ -66,11 +66,11 @@ def _texts(source: str, split: str, text_column: str, streaming: bool, *, trust_
         for path in files:
             kind = LOCAL_FORMATS[path.suffix]
             if kind == "text":
-                yield path.read_text(encoding="utf-8", errors="replace")
+                yield _utf8_text(path)
             elif kind == "json":
                 yield from _json_texts(path, text_column)
             else:
-                yield from _column(_load_files(kind, str(path), streaming), text_column, str(path))
+                yield from _column(_parquet(path, streaming), text_column, str(path))
         return
     if source.startswith(HUB_FILES):
         suffix = Path(source).suffix
@@ -128,6 +128,31 @@ def _parse(raw: bytes, path: Path, first_line: int) -> Any:
         cut = "; the file ends in this line without a newline: was it cut short?" if not raw.endswith(b"\n") else ""
         line = first_line + err.lineno - 1
         raise ValueError(f"data.source {path} line {line}: not valid JSON ({err.msg.removesuffix(' at')} at column {err.colno}){cut}") from None
+
+
+def _utf8_text(path: Path) -> str:
+    """A ``.txt`` document, refused by byte offset when it is not UTF-8 (as JSON lines are by
+    line): replacing undecodable bytes would train on text that is not in the file."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"data.source {path}: not UTF-8 text (byte {err.start}: {err.reason})") from None
+
+
+def check_parquet(path: Path) -> None:
+    """A local parquet file's footer, read (cheaply) before datasets reads the file: one that
+    is not parquet (cut short, another format) fails naming it, before datasets logs and raises."""
+    import pyarrow.parquet as pq
+
+    try:
+        pq.read_schema(path)
+    except Exception as err:  # pyarrow raises ArrowInvalid, OSError and others
+        raise ValueError(f"data.source {path}: not a parquet file ({' '.join(str(err).split())})") from None
+
+
+def _parquet(path: Path, streaming: bool):
+    check_parquet(path)
+    return _load_files("parquet", str(path), streaming)
 
 
 def _load_files(kind: str, data_files: str, streaming: bool):

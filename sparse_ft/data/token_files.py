@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from sparse_ft.files.json_files import json_object
 from sparse_ft.files.outputs import atomic_file
 
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
@@ -31,8 +32,10 @@ def sha256_file(path: Path) -> str:
 
 
 def sidecar(path: Path) -> dict:
+    """The token file's JSON sidecar (empty when there is none); one that is not a JSON object
+    is a ``ValueError`` naming it."""
     meta = path.with_suffix(".json")
-    return json.loads(meta.read_text()) if meta.is_file() else {}
+    return json_object(meta, f"the sidecar of {path}") if meta.is_file() else {}
 
 
 def write_tokens(tokens: Any, path: Path, dtype: str) -> Path:

@@ -24,8 +24,11 @@ def _method_args(items: list[str]) -> dict:
 
 
 def _model_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="HF id, local directory, or 'tiny' (built-in test model)")
+    p.add_argument("--model", default=None, help="HF id, local directory, or 'tiny' (built-in test model); "
+                   "default: with --adapter, the base it was trained on, else required")
     p.add_argument("--adapter", default=None, help="adapter directory written by sparse-ft train (default: none)")
+    p.add_argument("--allow-other-base", action="store_true",
+                   help="evaluate --adapter on a --model with other weights than the base it was trained on")
     p.add_argument("--method", default="full", help="full, an attention pattern, pi, ntk, yarn, or a registered method")
     p.add_argument("--method-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="method parameter, repeatable; values are YAML scalars (default: the method's defaults)")
@@ -62,33 +65,48 @@ def configure(ev: argparse.ArgumentParser) -> None:
     g.set_defaults(func=run_plot)
 
 
-def _method(args):
+def _method(args, lengths: list[int]):
+    """The method, checked at every length it will run at (a pattern whose chunks would hold
+    fewer than 2 keys there is refused, not run as attention to each token alone)."""
     from sparse_ft import methods
 
-    return methods.get(args.method, **_method_args(args.method_arg))
+    params = _method_args(args.method_arg)
+    method = methods.get(args.method, **params)
+    for n in lengths:
+        try:
+            method.check_length(n)
+        except ValueError as err:
+            given = " ".join(f"--method-arg {item}" for item in args.method_arg) or "its default parameters"
+            raise ValueError(f"--method {args.method} with {given} at --lengths {n}: {err}") from None
+    return method
 
 
 def _writer(args) -> str:
     return f"sparse-ft eval {args.eval}"
 
 
-def _check_outputs(args, inputs: dict, *flags: str) -> None:
+def _check_outputs(args, inputs: dict, *flags: str, pictures: tuple[str, ...] = ()) -> None:
     """Before the model loads: every output file can be written (its folder is made), is new
-    or an earlier output of sparse-ft (with --overwrite), and lies outside every input."""
+    or an earlier output of sparse-ft (with --overwrite), lies outside every input, and each
+    of ``pictures`` is in a format matplotlib writes."""
+    from sparse_ft.evaluation.plots import check_format
     from sparse_ft.files.outputs import check_apart, check_output_file
 
-    for flag in flags:
+    for flag in (*flags, *pictures):
         path = getattr(args, flag)
-        if path is not None:
-            check_apart(path, f"--{flag}", inputs)
-            check_output_file(path, f"--{flag}", args.overwrite)
+        if path is None:
+            continue
+        check_apart(path, f"--{flag}", inputs)
+        check_output_file(path, f"--{flag}", args.overwrite)
+        if flag in pictures:
+            check_format(path, f"--{flag}")
 
 
 def _model_inputs(args) -> dict:
     """The local inputs of a model's evaluation, by flag."""
     from sparse_ft.modeling.tiny import is_built_in
 
-    return {"--model": None if is_built_in(args.model) else args.model, "--adapter": args.adapter}
+    return {"--model": None if not args.model or is_built_in(args.model) else args.model, "--adapter": args.adapter}
 
 
 def _check_markdown(args, inputs: dict) -> Path:
@@ -104,14 +122,17 @@ def _check_markdown(args, inputs: dict) -> Path:
     return markdown
 
 
-def _load(args, method, tokenizer: bool = True, before_weights=None):
-    """The model and tokenizer; says what the method reads from the model's config."""
+def _load(args, method, tokenizer: bool = True):
+    """The model and tokenizer (the method checked against the model's config before the
+    weights load); says what the method reads from the config."""
     from sparse_ft.modeling.attention import pretrained
     from sparse_ft.evaluation import loading
 
+    args.model = args.model or loading.recorded_base(args.adapter)  # what the results record
     model, tok = loading.load(args.model, args.adapter, args.dtype, args.load_in_4bit, load_in_8bit=args.load_in_8bit,
                               compute_dtype=args.bnb_compute_dtype, trust_remote_code=args.trust_remote_code,
-                              device=args.device, tokenizer=tokenizer, before_weights=before_weights)
+                              device=args.device, tokenizer=tokenizer, allow_other_base=args.allow_other_base,
+                              check_config=method.check_model)
     said = method.describe(pretrained(model).config)
     if said:
         print(said)
@@ -151,19 +172,21 @@ def _config(args, model) -> dict:
 
 def run_task(args) -> int:
     """Any registered task: flags, method and outputs checked, then what needs only the
-    tokenizer (a prompt too long for a length fails here), then the weights, the evaluation,
-    the table, the results JSON and markdown, the picture."""
-    from sparse_ft.evaluation import tasks
+    tokenizer (text data tokenised, RULER's prompts built: a length too short fails here),
+    then the weights, the evaluation, the table, the results JSON and markdown, the picture."""
+    from sparse_ft.evaluation import loading, tasks
 
     task = tasks.TASKS.factory(args.eval).from_args(args)
-    method = _method(args)
+    method = _method(args, task.lengths)
     task.check_method(method)
-    pictures = (task.picture,) if task.picture else ()
+    args.model = args.model or loading.recorded_base(args.adapter)
     inputs = {**_model_inputs(args), **task.inputs()}
-    _check_outputs(args, inputs, "output", *pictures)
+    _check_outputs(args, inputs, "output", pictures=(task.picture,) if task.picture else ())
     if args.output is not None:
         _check_markdown(args, inputs)
-    model, tokenizer = _load(args, method, tokenizer=task.needs_tokenizer(), before_weights=task.prepare)
+    tokenizer = loading.tokenizer_for(args.model, args.adapter, args.trust_remote_code) if task.needs_tokenizer() else None
+    task.prepare(tokenizer)
+    model, _ = _load(args, method, tokenizer=False)
     rows = task.evaluate(model, tokenizer, method)
     label = _label(args)
     _emit(args, model, label, task.table(rows, label), results=rows, summary=task.summary_of(rows))
@@ -193,7 +216,8 @@ def run_plot(args) -> int:
     from sparse_ft.evaluation import plots, report
 
     runs = [report.read_ppl(path) for path in args.results]
-    _check_outputs(args, {f"results file {index}": path for index, path in enumerate(args.results, 1)}, "output")
+    _check_outputs(args, {f"results file {index}": path for index, path in enumerate(args.results, 1)},
+                   pictures=("output",))
     models = sorted({model for _, _, model in runs if model})
     title = f"perplexity: {', '.join(models)}" if models else ""
     print(f"wrote {plots.plot_ppl([(label, rows) for label, rows, _ in runs], args.output, title=title, writer=_writer(args))}")

@@ -12,7 +12,9 @@ from typing import Any, Callable, Optional
 import torch
 
 from sparse_ft.modeling import quantization
-from sparse_ft.modeling.model_io import DTYPES, load_adapter_model, load_tokenizer, resolve_model
+from sparse_ft.modeling.devices import check_device, default_device
+from sparse_ft.modeling.model_io import (DTYPES, adapter_base, base_config_for, check_model_path, load_adapter_model,
+                                         load_tokenizer, read_meta, resolve_model)
 
 
 def check_quantization(load_in_4bit: bool, load_in_8bit: bool, compute_dtype: str) -> Optional[int]:
@@ -24,43 +26,51 @@ def check_quantization(load_in_4bit: bool, load_in_8bit: bool, compute_dtype: st
     return 4 if load_in_4bit else 8 if load_in_8bit else None
 
 
-def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
+def recorded_base(adapter: Optional[str]) -> str:
+    """The base an adapter was trained on: what ``--model`` defaults to with ``--adapter``."""
+    if adapter is None:
+        raise ValueError("--model is required without --adapter (with one, its recorded base is the default)")
+    if not Path(adapter).is_dir():
+        raise FileNotFoundError(f"--adapter {adapter}: no such directory")
+    return adapter_base(adapter, read_meta(adapter, "--adapter"))
 
 
-def load(model: str, adapter: Optional[str] = None, dtype: str = "float32", load_in_4bit: bool = False,
+def load(model: Optional[str], adapter: Optional[str] = None, dtype: str = "float32", load_in_4bit: bool = False,
          *, load_in_8bit: bool = False, compute_dtype: str = "float32", trust_remote_code: bool = False,
-         device: Optional[str] = None, tokenizer: bool = True,
-         before_weights: Optional[Callable[[Any], None]] = None):
+         device: Optional[str] = None, tokenizer: bool = True, allow_other_base: bool = False,
+         check_config: Optional[Callable[[Any], None]] = None):
     """Returns ``(model, tokenizer)`` in eval mode; with ``tokenizer=False`` the tokenizer is
-    None (token files need none, and a model directory may hold none). The tokenizer loads
-    first: a missing one fails in a second, not after the weights, and so does
-    ``before_weights(tokenizer)`` (a task building its prompts). Every failure is a one-line
-    ValueError or FileNotFoundError naming the flag."""
+    None (token files need none, and a model directory may hold none). ``model`` None is the
+    adapter's recorded base; another base than the adapter's is refused unless
+    ``allow_other_base``. The tokenizer loads first: a missing one fails in a second, not after
+    the weights; ``check_config`` (a method's ``check_model``) sees the config the weights will
+    load with, before they do. Every failure is a one-line ValueError or FileNotFoundError
+    naming the flag."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r} is unknown; allowed: {', '.join(DTYPES)}")
+    if adapter is not None or model is None:
+        model = model or recorded_base(adapter)  # the adapter checked (without one, --model is required)
     path = resolve_model(model)
-    if not Path(path).exists() and (path.startswith((".", "/", "~")) or path.count("/") > 1):
-        raise FileNotFoundError(f"--model {model}: no such directory")
-    if adapter is not None and not Path(adapter).is_dir():
-        raise FileNotFoundError(f"--adapter {adapter}: no such directory")
+    check_model_path(path, "--model")
     bits = check_quantization(load_in_4bit, load_in_8bit, compute_dtype)
-    tok = _tokenizer(model, adapter, path, trust_remote_code) if tokenizer else None
-    device = _check_device(device or default_device())
-    if before_weights is not None:
-        before_weights(tok)
+    tok = tokenizer_for(model, adapter, trust_remote_code) if tokenizer else None
+    device = check_device(device or default_device())
     kwargs: dict[str, Any] = {"dtype": DTYPES[dtype], "trust_remote_code": trust_remote_code, "device_map": device}
     try:
-        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-        if bits is not None:  # layer shapes do not depend on an adapter's RoPE: the base's config serves
+        if adapter is not None:  # the adapter's RoPE goes into the config before the weights load
+            path, config = base_config_for(adapter, model, trust_remote_code, allow_other_base=allow_other_base)
+        else:
+            config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        if check_config is not None:
+            check_config(config)
+        if bits is not None:  # layer shapes do not depend on an adapter's RoPE
             kwargs["quantization_config"] = _quantization(config, bits, device, DTYPES[dtype],
                                                           compute_dtype=DTYPES[compute_dtype],
                                                           trust_remote_code=trust_remote_code)
         if adapter is not None:
-            # the adapter's RoPE goes into the config before the weights load; a foreign base fails by shape
-            loaded = load_adapter_model(adapter, path, **kwargs)
+            loaded = load_adapter_model(adapter, path, config=config, **kwargs)
         else:
             loaded = AutoModelForCausalLM.from_pretrained(path, config=config, **kwargs)
     except OSError as err:  # hub / missing-file errors from transformers and peft
@@ -84,22 +94,11 @@ def _quantization(config: Any, bits: int, device: str, dtype: torch.dtype, *, co
     return plan
 
 
-def _check_device(device: str) -> str:
-    """A device that does not exist here fails in one line, before the weights load (and before
-    the 4-bit probe, where it would read as every layer refused)."""
-    if device == "auto":
-        return device
-    try:
-        parsed = torch.device(device)
-    except RuntimeError as err:
-        raise ValueError(f"--device {device!r} is not a device ({_first_line(err)}); e.g. cpu, cuda, cuda:0, auto") from None
-    if parsed.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {device!r}: torch sees no CUDA device here; use cpu (or omit --device)")
-    return device
-
-
-def _tokenizer(model: str, adapter: Optional[str], path: str, trust_remote_code: bool):
-    """The adapter's tokenizer where it saved one, else the model's."""
+def tokenizer_for(model: str, adapter: Optional[str] = None, trust_remote_code: bool = False):
+    """The adapter's tokenizer where it saved one, else the model's: loaded before the
+    weights, so that text data can be read (and found wanting) before they load."""
+    path = resolve_model(model)
+    check_model_path(path, "--model")
     where = adapter if adapter and (Path(adapter) / "tokenizer_config.json").exists() else path
     try:
         return load_tokenizer(where, trust_remote_code)

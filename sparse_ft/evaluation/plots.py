@@ -28,6 +28,18 @@ def _pyplot():
     return plt
 
 
+def check_format(output: Path, flag: str) -> None:
+    """A picture's file name names a format matplotlib writes (by its suffix), checked before
+    the evaluation it would show rather than after it."""
+    from matplotlib.figure import Figure
+
+    formats = Figure().canvas.get_supported_filetypes()
+    suffix = output.suffix.lstrip(".").lower()
+    if suffix not in formats:
+        raise ValueError(f"{flag} {output}: {'.' + suffix if suffix else 'no suffix'} names no picture format; "
+                         f"allowed: {', '.join(sorted(formats))}")
+
+
 def _save(fig, output: Path, writer: str) -> Path:
     """Atomically, never through a link; a PNG carries ``writer`` as its marker (``written_by``)."""
     output.parent.mkdir(parents=True, exist_ok=True)

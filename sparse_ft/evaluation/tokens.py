@@ -11,7 +11,7 @@ from typing import Optional
 import numpy as np
 from tqdm import tqdm
 
-from sparse_ft.data.sources import iter_texts, local_files
+from sparse_ft.data.sources import check_parquet, iter_texts, local_files
 from sparse_ft.data.token_files import DTYPES, sidecar
 
 TOKEN_FILE = ".bin"
@@ -22,31 +22,32 @@ def _text_file(path: Path) -> bool:
     return path.is_file() and path.suffix not in (TOKEN_FILE, *ROWS)
 
 
-def check_data(data: str) -> bool:
+def check_data(data: str, data_dtype: Optional[str] = None) -> bool:
     """Whether ``data`` is a token file (then no tokenizer is needed). A local file that is
-    missing, not UTF-8 text or of a kind no reader takes fails here, before any model loads."""
+    missing, not UTF-8 text or of a kind no reader takes, a token file whose sidecar or size
+    does not fit, fails here, before any model loads."""
     path = Path(data).expanduser()
     if path.suffix == TOKEN_FILE:
         if not path.is_file():
             raise FileNotFoundError(f"--data {data} does not exist")
+        _token_dtype(path, data, data_dtype)
         return True
     if _text_file(path):
         _utf8(path, data)
     else:
-        local_files(data)
+        for file in local_files(data) or []:
+            if file.suffix == ".parquet":
+                check_parquet(file)
     return False
 
 
-def load_tokens(data: str, tokenizer, vocab_size: int, data_dtype: Optional[str] = None, *, split: str = "validation",
-                text_column: str = "text", max_tokens: Optional[int] = None) -> np.ndarray:
-    """The evaluation tokens, checked against the model's vocabulary."""
+def load_tokens(data: str, tokenizer, vocab_size: Optional[int], data_dtype: Optional[str] = None, *,
+                split: str = "validation", text_column: str = "text", max_tokens: Optional[int] = None) -> np.ndarray:
+    """The evaluation tokens, checked against the model's vocabulary (``vocab_size`` None:
+    read before the model loads, then checked with :func:`check_vocabulary`)."""
     path = Path(data).expanduser()
-    if check_data(data):
-        dtype = data_dtype or sidecar(path).get("dtype", "uint16")
-        if dtype not in DTYPES:
-            raise ValueError(f"--data-dtype {dtype!r} is unknown; allowed: {', '.join(DTYPES)}")
-        if path.stat().st_size % np.dtype(DTYPES[dtype]).itemsize:
-            raise ValueError(f"--data {data} has {path.stat().st_size} bytes, not a whole number of {dtype} tokens")
+    if check_data(data, data_dtype):
+        dtype = _token_dtype(path, data, data_dtype)
         tokens = np.memmap(path, dtype=DTYPES[dtype], mode="r") if path.stat().st_size else np.zeros(0, np.uint16)
     else:
         tokens = text_tokens(data, tokenizer, split, text_column, max_tokens=max_tokens)
@@ -54,13 +55,30 @@ def load_tokens(data: str, tokenizer, vocab_size: int, data_dtype: Optional[str]
         tokens = tokens[:max_tokens]
     if len(tokens) == 0:
         raise ValueError(f"--data {data} holds no tokens")
+    if vocab_size is not None:
+        check_vocabulary(tokens, vocab_size, data)
+    return tokens
+
+
+def check_vocabulary(tokens: np.ndarray, vocab_size: int, data: str) -> None:
     top = int(tokens.max())
     if top >= vocab_size:
         raise ValueError(
             f"--data {data} contains token id {top} >= the model's vocabulary size {vocab_size}: "
             "it was tokenised for another model (or read with the wrong --data-dtype)"
         )
-    return tokens
+
+
+def _token_dtype(path: Path, data: str, data_dtype: Optional[str]) -> str:
+    """The token file's dtype (``--data-dtype``, else its sidecar's, else uint16), checked
+    against the file's size."""
+    dtype = data_dtype or sidecar(path).get("dtype", "uint16")
+    if dtype not in DTYPES:
+        source = "--data-dtype" if data_dtype else f"the dtype in {path.with_suffix('.json')}"
+        raise ValueError(f"{source} {dtype!r} is unknown; allowed: {', '.join(DTYPES)}")
+    if path.stat().st_size % np.dtype(DTYPES[dtype]).itemsize:
+        raise ValueError(f"--data {data} has {path.stat().st_size} bytes, not a whole number of {dtype} tokens")
+    return dtype
 
 
 def text_tokens(source: str, tokenizer, split: str = "validation", text_column: str = "text",
@@ -76,16 +94,15 @@ def text_tokens(source: str, tokenizer, split: str = "validation", text_column: 
     else:
         documents = iter_texts(source, split, text_column, streaming=max_tokens is not None and local_files(source) is None)
     out: list[int] = []
-    bar = tqdm(desc=f"tokenising {source}", unit="tok", unit_scale=True, total=max_tokens, leave=False)
-    for text in documents:
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        if tokenizer.eos_token_id is not None:
-            ids.append(tokenizer.eos_token_id)
-        out.extend(ids)
-        bar.update(len(ids))
-        if max_tokens is not None and len(out) >= max_tokens:
-            break
-    bar.close()
+    with tqdm(desc=f"tokenising {source}", unit="tok", unit_scale=True, total=max_tokens, leave=False) as bar:
+        for text in documents:
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            if tokenizer.eos_token_id is not None:
+                ids.append(tokenizer.eos_token_id)
+            out.extend(ids)
+            bar.update(len(ids))
+            if max_tokens is not None and len(out) >= max_tokens:
+                break
     return np.asarray(out[:max_tokens] if max_tokens else out, dtype=np.int64)
 
 

@@ -15,6 +15,9 @@ last of them dropped as its ``all_ix.pop()`` does; every prediction inside the w
 predictions of tokens ``begin+1 .. end−1``), and PPL = exp(mean over windows of the window's
 mean loss). Tokens are scored many times over, so the number is not a perplexity of the
 data in the usual sense; it exists to compare with LongLoRA's tables.
+
+Either way a stride longer than the window would skip the tokens between two windows, which
+no window scores: refused (``check``), since the PPL would then silently cover part of the data.
 """
 
 from __future__ import annotations
@@ -35,12 +38,24 @@ class Window(NamedTuple):
         return self.last - self.first
 
 
+def check(lengths: list[int], stride: int) -> None:
+    """Window lengths and the stride that score every token: ``ValueError`` naming the flags."""
+    if stride < 1:
+        raise ValueError(f"--stride {stride} must be >= 1")
+    short = [n for n in lengths if n < 2]
+    if short:
+        raise ValueError(f"--lengths {short[0]}: a window needs >= 2 tokens (its first predicts the second)")
+    narrow = [n for n in lengths if n < stride]
+    if narrow:
+        raise ValueError(f"--stride {stride} is longer than the window --lengths {narrow[0]}: the {stride - narrow[0]} "
+                         f"tokens between two windows would never be scored; use --stride <= {min(lengths)}")
+
+
 def plan(total: int, length: int, stride: int, scoring: str = "standard", *,
          max_windows: Optional[int] = None) -> list[Window]:
     if scoring not in SCORINGS:
         raise ValueError(f"--scoring {scoring!r} is unknown; allowed: {', '.join(SCORINGS)}")
-    if length < 2 or stride < 1:
-        raise ValueError(f"window length={length} must be >= 2 and stride={stride} >= 1")
+    check([length], stride)
     if scoring == "standard":
         if total < 2:
             raise ValueError(f"{total} tokens: nothing to predict")

@@ -106,10 +106,19 @@ def build_corpus(output_dir: Path, tokenizer, context: int = 256, passkey_fracti
 
 
 def load_blocks(output_dir: Path) -> np.ndarray:
-    """train.bin as a (blocks, context) memory map."""
-    manifest = json.loads((Path(output_dir) / "corpus.json").read_text())
-    tokens = np.memmap(Path(output_dir) / "train.bin", dtype=DTYPES[manifest["dtype"]], mode="r")
-    return tokens.reshape(-1, manifest["context"])
+    """train.bin as a (blocks, context) memory map; a corpus whose manifest or train.bin does
+    not fit fails naming the file."""
+    manifest_path, train_path = Path(output_dir) / "corpus.json", Path(output_dir) / "train.bin"
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        dtype, context = DTYPES[manifest["dtype"]], int(manifest["context"])
+    except (ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"{manifest_path} is not a corpus manifest of scripts/build_corpus.py ({type(err).__name__}: {err})") from None
+    size = train_path.stat().st_size if train_path.is_file() else 0
+    if size == 0 or size % (np.dtype(dtype).itemsize * context):
+        raise ValueError(f"{train_path} holds {size} bytes, not whole blocks of {context} {manifest['dtype']} tokens "
+                         "(none, or cut short): build the corpus again")
+    return np.memmap(train_path, dtype=dtype, mode="r").reshape(-1, context)
 
 
 def write_jsonl(output_dir: Path, tokenizer, max_blocks: Optional[int] = None) -> Path:

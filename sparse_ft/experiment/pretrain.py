@@ -65,12 +65,15 @@ class PretrainConfig:
     def validate(self) -> None:
         if self.save_dtype not in DTYPES:
             raise ValueError(f"save_dtype={self.save_dtype!r} is unknown; allowed: {', '.join(DTYPES)}")
+        for key in ("steps", "batch_size", "context", "log_every", "eval_windows", "num_attention_heads",
+                    "num_key_value_heads", "hidden_size", "intermediate_size", "num_hidden_layers"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key}={getattr(self, key)} must be >= 1")
+        if self.passkey_trials < 0:
+            raise ValueError(f"passkey_trials={self.passkey_trials} must be >= 0")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads={self.num_attention_heads} must be a multiple of "
                              f"num_key_value_heads={self.num_key_value_heads}")
-        for key in ("steps", "batch_size", "context", "log_every"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"{key}={getattr(self, key)} must be >= 1")
 
 
 def train_section(cfg: PretrainConfig, output_dir: Path) -> TrainSection:
@@ -199,6 +202,13 @@ def pretrain(cfg: PretrainConfig, corpus: Path = CORPUS_DIR, output: Path = ASSE
     from sparse_ft.modeling.tiny import tiny_tokenizer
 
     corpus, output = Path(corpus), Path(output)
+    cfg.validate()  # before the corpus is built: a bad setting costs seconds, not minutes
+    if corpus.exists() and not corpus.is_dir():
+        raise ValueError(f"--corpus {corpus} is a file; a corpus is a directory (scripts/build_corpus.py writes one)")
+    if passkey_fraction is not None and not 0 <= passkey_fraction <= 1:
+        raise ValueError(f"--passkey-fraction {passkey_fraction} must be within [0, 1]")
+    if max_blocks is not None and max_blocks < 1:
+        raise ValueError(f"--max-blocks {max_blocks} must be >= 1")
     check_apart(output, "--output", {"--corpus": corpus, "--init-from": init_from and Path(init_from)})
     check_output_dir(output, overwrite)
     build = not (corpus / "corpus.json").exists()

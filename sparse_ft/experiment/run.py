@@ -79,6 +79,7 @@ class ExperimentConfig:
 
     def validate(self) -> None:
         from sparse_ft import methods
+        from sparse_ft.files.outputs import file_in_the_way
 
         trainable = methods.names(lambda supports: supports.training)
         for p in self.patterns:
@@ -95,6 +96,9 @@ class ExperimentConfig:
             raise ValueError("--seeds must list at least one seed")
         if not Path(self.base, "config.json").is_file():
             raise FileNotFoundError(f"--base {self.base}: no checkpoint there (sparse-ft pretrain writes one)")
+        for flag, value in (("--output", self.output), ("--runs", self.runs)):
+            if (blocking := file_in_the_way(Path(value))) is not None:
+                raise ValueError(f"{flag} {value}: {blocking} is a file; name a directory")
 
 
 QUICK = dict(output="results/experiment-quick", runs="runs/experiment-quick", steps=100, ppl_windows=4,

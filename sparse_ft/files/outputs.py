@@ -55,6 +55,13 @@ def check_parent_writable(path: Path, flag: str) -> None:
         raise ValueError(f"{flag} {path}: cannot write in {path.parent} ({err.strerror or err})") from None
 
 
+def file_in_the_way(directory: Path) -> Optional[Path]:
+    """The file that keeps ``directory`` from being one: itself, or the nearest of its parents
+    that exists, when that is no directory; None when it can be made (or is one)."""
+    existing = next((p for p in (directory, *directory.parents) if p.exists()), None)
+    return existing if existing is not None and not existing.is_dir() else None
+
+
 def _refuse_link(path: Path, flag: str) -> None:
     """Writing through a link would replace a file somewhere else, one sparse-ft never saw."""
     if path.is_symlink():
@@ -211,9 +218,11 @@ def scratch_directory(target: Path) -> Path:
 
 
 def scratch_file(target: Path) -> Path:
-    """A new, empty file beside ``target``, unique to this call (named as ``scratch_directory``'s)."""
+    """A new, empty file beside ``target``, unique to this call: ``.NAME.HOST.PID.XXXXXXXX.sparse-ft-tmp``,
+    so that :func:`remove_stale_scratch` can tell one a killed writer left from one being written."""
     target = Path(target)
-    fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=SCRATCH_SUFFIX, dir=target.parent)
+    fd, name = tempfile.mkstemp(prefix=f".{target.name}.{socket.gethostname()}.{os.getpid()}.", suffix=SCRATCH_SUFFIX,
+                                dir=target.parent)
     os.close(fd)  # opened again by name: a writer may read ``f.name``
     return Path(name)
 
@@ -303,6 +312,21 @@ def atomic_file(path: Path, mode: str = "w") -> Iterator[IO]:
         tmp.unlink(missing_ok=True)
 
 
+def remove_stale_scratch(path: Path) -> list[Path]:
+    """Remove the scratch files of ``path`` (:func:`scratch_file`'s) whose writer was on this
+    host and is gone (killed mid-write); another host's, or a live process's, are left alone.
+    Returns those removed."""
+    removed = []
+    prefix = f".{path.name}."
+    for tmp in path.parent.glob(f"{prefix}*{SCRATCH_SUFFIX}"):
+        writer = tmp.name[len(prefix) : -len(SCRATCH_SUFFIX)].rpartition(".")[0]  # host.pid
+        host, _, pid = writer.rpartition(".")
+        if host == socket.gethostname() and pid.isdigit() and not process_alive(int(pid)):
+            tmp.unlink(missing_ok=True)
+            removed.append(tmp)
+    return removed
+
+
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -326,7 +350,8 @@ def write_synced(path: Path, data: bytes) -> None:
 RUN_LOCK = "train.lock"  # in a training run's output directory
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs on this host."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -352,7 +377,7 @@ class RunLock:
             if holder is None:
                 continue  # released in between
             pid, host = holder.get("pid"), holder.get("host")
-            if host != self.me["host"] or not isinstance(pid, int) or _alive(pid):
+            if host != self.me["host"] or not isinstance(pid, int) or process_alive(pid):
                 since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("since", 0)))
                 raise ValueError(
                     f"train.output_dir={self.path.parent} is in use by another run (pid {pid} on {host}, since {since}): "

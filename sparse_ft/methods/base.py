@@ -53,6 +53,10 @@ class Method:
     def check_model(self, config: Any) -> None:
         """Refuse a model this method cannot run when it is switched to, not mid-forward."""
 
+    def check_length(self, seq_len: int) -> None:
+        """Refuse a sequence length this method degenerates at (``ValueError``), before a model
+        loads: recipes check ``data.seq_len``, ``eval`` every ``--lengths``."""
+
     def describe(self, config: Any) -> Optional[str]:
         """The settings this method takes from a model with ``config``, for the CLI to say
         (None: nothing beyond the parameters the user gave)."""

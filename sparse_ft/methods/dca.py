@@ -39,13 +39,19 @@ SPARSE_KEYS = ("sparse_attention_config", "sparse_attention_enabled", "sparse_at
 
 def model_dca_config(config: Any) -> Optional[dict[str, Any]]:
     """The model's ``dual_chunk_attention_config`` as a dict (transformers 4.x and 5.x keep
-    the JSON object as a dict attribute; an object with attributes is accepted too), or None."""
+    the JSON object as a dict attribute; an object with attributes is accepted too), or None.
+    Anything else (a list, a string) is refused naming the key."""
     raw = getattr(config, CONFIG_KEY, None)
     if raw is None:
         return None
     if isinstance(raw, Mapping):
         return dict(raw)
-    return dict(raw.to_dict() if hasattr(raw, "to_dict") else vars(raw))
+    if hasattr(raw, "to_dict"):
+        return dict(raw.to_dict())
+    if not hasattr(raw, "__dict__"):  # a list, a string, a number
+        raise ValueError(f"the model's config.json {CONFIG_KEY}={raw!r} is a {type(raw).__name__}, not an object "
+                         "(e.g. {\"chunk_size\": 262144, \"local_size\": 8192, \"original_max_position_embeddings\": 262144})")
+    return dict(vars(raw))
 
 
 def params_from_config(dca_config: dict[str, Any]) -> dict[str, Any]:
@@ -89,8 +95,11 @@ class DualChunk(AlgorithmMethod):
         if dca_config is None or self.given.get("variant", "qwen") != "qwen":
             return self.algorithm
         if self._last_config != dca_config:
-            self._last_config = dca_config
-            self._last_algorithm = DualChunkAttention(**(params_from_config(dca_config) | self.given))
+            try:
+                algorithm = DualChunkAttention(**(params_from_config(dca_config) | self.given))
+            except (TypeError, ValueError) as err:
+                raise ValueError(f"the model's config.json {CONFIG_KEY}={dca_config}: {err}") from None
+            self._last_config, self._last_algorithm = dca_config, algorithm
         return self._last_algorithm
 
     def describe(self, config: Any) -> str:

@@ -38,6 +38,9 @@ class PatternMethod(Method):
     def check_model(self, config: Any) -> None:
         self.pattern.check_heads(geometry(config).heads)
 
+    def check_length(self, seq_len: int) -> None:
+        self.pattern.check_length(seq_len)
+
     def __call__(self, module, query, key, value, attention_mask, *, scaling: Optional[float] = None,
                  dropout: float = 0.0, head_offset: int = 0, num_heads: Optional[int] = None,
                  **kwargs: Any) -> tuple[torch.Tensor, None]:

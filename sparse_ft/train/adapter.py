@@ -1,6 +1,9 @@
 """The trained result: one standard PEFT adapter directory (LoRA + the trainable embeddings and
-norms), plus ``sparse_ft.json`` carrying the RoPE configuration it was trained with, so every
-later load uses the same positions (``sparse_ft.modeling.model_io.load_adapter_model`` reads it back).
+norms), plus ``sparse_ft.json`` carrying the RoPE configuration it was trained with and the
+fingerprint of its base's weights, so every later load uses the same positions and base
+(``sparse_ft.modeling.model_io.load_adapter_model`` reads it back). The final adapter is one;
+every checkpoint holds one too (``write_adapter``), so that ``eval`` and ``merge`` take any
+checkpoint of a run.
 
 Under ZeRO-3 each rank holds a slice of every parameter; saving without gathering writes
 empty tensors (a known failure of other trainers). The trainable parameters are gathered
@@ -13,25 +16,23 @@ import json
 from pathlib import Path
 from typing import Optional
 
+import torch
+
 from sparse_ft.modeling import rope
 from sparse_ft.modeling.model_io import META_FILE, SHAPE_KEYS
 from sparse_ft.files.outputs import atomic_directory
 
+# what write_adapter writes (PEFT adds a README.md model card)
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", META_FILE)
 
-def save_adapter(engine, directory: Path, recipe, base_path: str, *, tokenizer=None) -> Optional[Path]:
-    """Collective under DeepSpeed; rank 0 writes. Atomic: a temporary directory renamed."""
-    model = engine.module
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    with engine.gathered([p for _, p in named]):
-        # peft picks the adapter's tensors out of this (model-named) state dict
-        state = {n: p.detach().cpu().clone() for n, p in named} if engine.rank == 0 else None
-    if engine.rank != 0:
-        return None
-    empty = [k for k, v in state.items() if v.numel() == 0]
-    if empty:
-        raise RuntimeError(f"refusing to save an adapter with empty tensors: {empty[:3]}")
+
+
+def adapter_meta(model, recipe, base_path: str, base_fingerprint: Optional[str]) -> dict:
+    """``sparse_ft.json``: what the adapter was trained on and with, positions first.
+    ``base_fingerprint``: of the base's weight files (``sparse_ft.modeling.weight_files``), which
+    evaluation and merging compare with the base they are given."""
     config = model.get_base_model().config
-    meta = {
+    return {
         "base_model": str(Path(base_path).resolve()) if Path(base_path).exists() else base_path,  # found from anywhere
         "base_model_given": recipe.model.name_or_path,
         "rope_parameters": rope.rope_parameters(config),
@@ -41,11 +42,32 @@ def save_adapter(engine, directory: Path, recipe, base_path: str, *, tokenizer=N
         "rope_method": recipe.model.rope_method,
         "train_attention": {"pattern": recipe.attention.pattern, **recipe.attention.params},
         "base_shape": {k: getattr(config, k, None) for k in SHAPE_KEYS},
+        "base_fingerprint": base_fingerprint,
         "recipe": recipe.name,
     }
+
+
+def write_adapter(model, state: dict[str, torch.Tensor], directory: Path, meta: dict) -> None:
+    """``model``'s adapter with the full trainable tensors ``state`` (named as in ``model``)
+    into ``directory``, which the caller renames into place."""
+    empty = [k for k, v in state.items() if v.numel() == 0]
+    if empty:
+        raise RuntimeError(f"refusing to save an adapter with empty tensors: {empty[:3]}")
+    # peft picks the adapter's tensors out of this (model-named) state dict
+    model.save_pretrained(str(directory), state_dict=state, safe_serialization=True)
+    (directory / META_FILE).write_text(json.dumps(meta, indent=1))
+
+
+def save_adapter(engine, directory: Path, meta: dict, *, tokenizer=None) -> Optional[Path]:
+    """Collective under DeepSpeed; rank 0 writes. Atomic: a temporary directory renamed."""
+    model = engine.module
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    with engine.gathered([p for _, p in named]):
+        state = {n: p.detach().cpu().clone() for n, p in named} if engine.rank == 0 else None
+    if engine.rank != 0:
+        return None
     with atomic_directory(directory) as tmp:
-        model.save_pretrained(str(tmp), state_dict=state, safe_serialization=True)
-        (tmp / META_FILE).write_text(json.dumps(meta, indent=1))
+        write_adapter(model, state, tmp, meta)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
     return directory

@@ -8,6 +8,10 @@ the marker is not sparse-ft's and is never removed (``is_ours``).
 ``meta.json`` records every file's size and sha256 and its own checksum, so a resume refuses a
 checkpoint that a disk, a copy or a hand has damaged since, names the file, and falls back to
 the previous one.
+
+The tensors are full (gathered from ZeRO's partitions), so a checkpoint resumes on any number
+of processes. Beside them, a fine-tuning checkpoint is a PEFT adapter (``sparse_ft.train.adapter``)
+that ``eval`` and ``merge`` take like the final one.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from safetensors.torch import load_file, save
 from sparse_ft.config.schema import fail
 from sparse_ft.data.token_files import sha256_file
 from sparse_ft.files.outputs import OUTPUT_MARKER, fsync_dir, replace_directory, write_synced
+from sparse_ft.train.adapter import ADAPTER_FILES, write_adapter
 from sparse_ft.train.engine import Engine
 
 WRITER = "sparse-ft train"  # the command named by the markers in a run's directories
@@ -113,17 +118,19 @@ def verify(path: Path) -> dict:
     return record
 
 
-def save_checkpoint(engine: Engine, output_dir: Path, step: int, meta: dict, *, keep: int) -> Optional[Path]:
-    """Collective: every rank calls it. Returns the final directory on rank 0; raises
+def save_checkpoint(engine: Engine, output_dir: Path, step: int, meta: dict, *, keep: int,
+                    adapter: Optional[dict] = None) -> Optional[Path]:
+    """Collective: every rank calls it. With ``adapter`` (its ``sparse_ft.json``) the
+    checkpoint is also a PEFT adapter. Returns the final directory on rank 0; raises
     :class:`CheckpointWriteError` when a file cannot be written and :class:`NonFiniteWeights`,
     before anything is written, when a trainable weight is not finite."""
     final = directory(output_dir, step)
     tmp = final.with_name(final.name + ".tmp")
     try:
-        _write_parts(engine, tmp)
+        _write_parts(engine, tmp, adapter)
         if engine.rank != 0:
             return None
-        files = [TRAINABLE, OPTIMIZER, *map(rng_file, range(engine.world_size))]
+        files = [TRAINABLE, OPTIMIZER, *map(rng_file, range(engine.world_size)), *(ADAPTER_FILES if adapter else ())]
         seal(tmp, {**meta, "step": step, "optimizer_steps": engine.get_steps(), "world_size": engine.world_size,
                    "amp": engine.amp_state()}, files)
         fsync_dir(tmp)
@@ -143,9 +150,9 @@ def save_checkpoint(engine: Engine, output_dir: Path, step: int, meta: dict, *, 
     return final
 
 
-def _write_parts(engine: Engine, tmp: Path) -> None:
-    """Each rank's RNG; on rank 0 the full trainable tensors and Adam's moments, once every
-    rank found them finite."""
+def _write_parts(engine: Engine, tmp: Path, adapter: Optional[dict]) -> None:
+    """Each rank's RNG; on rank 0 the full trainable tensors and Adam's moments, and the
+    adapter made of those tensors, once every rank found them finite."""
     params, states = {}, {}
     for name, p in trainable(engine):  # gathering is collective under ZeRO-3: same order on all ranks
         params[name] = engine.get_master(p)
@@ -169,6 +176,8 @@ def _write_parts(engine: Engine, tmp: Path) -> None:
     if engine.rank == 0:
         _save(params, tmp / TRAINABLE)
         _save(states, tmp / OPTIMIZER)
+        if adapter is not None:
+            write_adapter(engine.module, params, tmp, adapter)
     engine.barrier()
 
 
@@ -246,22 +255,27 @@ def read_meta(path: Path) -> dict:
 
 def load_checkpoint(engine: Engine, path: Path) -> dict:
     """Collective. Restores trainable weights, optimizer moments, step counts and this rank's
-    RNG; returns the saved metadata."""
+    RNG (a rank the checkpoint's run did not have keeps its own); returns the saved metadata."""
     meta = read_meta(path)
     params = load_file(str(path / TRAINABLE))
     states = load_file(str(path / OPTIMIZER))
+    for name, p in trainable(engine):
+        shape = tuple(getattr(p, "ds_shape", p.shape))  # ZeRO-3 keeps the full shape there
+        if name not in params or tuple(params[name].shape) != shape:
+            found = f"a tensor of shape {tuple(params[name].shape)}" if name in params else "no tensor"
+            raise ValueError(f"train.resume: {path} has {found} for the trainable parameter {name} of shape {shape}: "
+                             "it was trained on another model or adapter; start afresh in a new train.output_dir")
     engine.materialize_state()
     for name, p in trainable(engine):
-        if name not in params:
-            raise ValueError(f"checkpoint {path} has no tensor for trainable parameter {name}: it belongs to another recipe")
         engine.set_master(p, params[name])
         for key in STATE_KEYS:
             if f"{name}::{key}" in states:
                 engine.set_state(p, key, states[f"{name}::{key}"])
     engine.set_steps(meta["optimizer_steps"])
     engine.load_amp_state(meta["amp"])
-    rng = load_file(str(path / rng_file(engine.rank)))
-    torch.set_rng_state(rng["torch"])
-    if "cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state(rng["cuda"])
+    if engine.rank < meta["world_size"]:
+        rng = load_file(str(path / rng_file(engine.rank)))
+        torch.set_rng_state(rng["torch"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
     return meta

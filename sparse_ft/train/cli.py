@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     except CheckpointWriteError as err:  # the run stopped; its earlier checkpoints are intact
         print(f"{args.prog}: error: {err}", file=sys.stderr)
         return 1
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, OSError) as err:
         if trainer.training:  # raised by the loop itself, not by an input: its traceback is what to look at
             raise RuntimeError(f"training stopped: {err}") from err
         raise

@@ -13,11 +13,13 @@ import torch
 
 from attn_patterns import kernels
 from sparse_ft.config import Recipe
+from sparse_ft.config.deepspeed_file import check_with_deepspeed, read_deepspeed_config
 from sparse_ft.config.schema import BadInput, check_sequence_parallel, fail, one_line
 from sparse_ft.data.packing import check_source
 from sparse_ft.modeling.families import geometry
 from sparse_ft.methods import Method
-from sparse_ft.modeling.model_io import load_tokenizer
+from sparse_ft.modeling.model_io import is_repo_id, load_tokenizer
+from sparse_ft.modeling.weight_files import model_files
 from sparse_ft.train import checkpoint
 from sparse_ft.modeling.tiny import is_built_in, tiny_llama_config, tiny_tokenizer
 
@@ -28,6 +30,11 @@ def preflight(recipe: Recipe, method: Method) -> None:
     starts; the data is read by the first rank only (a launcher stops the others when one
     fails)."""
     config = check_model(recipe, method)
+    if recipe.deepspeed is not None:
+        try:
+            check_with_deepspeed(read_deepspeed_config(recipe.deepspeed), recipe.deepspeed)
+        except ValueError as err:
+            raise BadInput(str(err)) from None
     _check_lora(recipe, _skeleton(recipe, config))
     if int(os.environ.get("RANK", "0")) == 0:  # one read of the data per run, not one per rank
         _check_data(recipe)
@@ -39,11 +46,19 @@ def check_model(recipe: Recipe, method: Method):
     Returns the model's config."""
     if recipe.train.resume not in ("auto", "never"):
         checkpoint.named_checkpoint(recipe.train.resume)
-    if recipe.attention.backend == "flash" and not kernels.flash_available():
-        fail("attention.backend", "flash", "flash-attn cannot run here (it needs the flash-attn package and a CUDA device); "
-             "use sdpa, or auto (flash where it can run)")
+    att = recipe.attention
+    for key, backend in (("attention.backend", att.backend), ("attention.params.backend", att.params.get("backend"))):
+        if backend == "flash" and not kernels.flash_available():
+            fail(key, "flash", "flash-attn cannot run here (it needs the flash-attn package and a CUDA device); "
+                 "use sdpa, or auto (flash where it can run)")
+        if backend == "flex" and not torch.cuda.is_available():
+            fail(key, "flex", "FlexAttention has no backward on CPU in torch, and torch sees no CUDA device here; "
+                 "use sdpa, or auto")
     config = _model_config(recipe)
     _check_heads(recipe, config, method)
+    context = getattr(config, "max_position_embeddings", None)
+    if not isinstance(context, int) or context < 1:
+        fail(*_model_key(recipe), f"its max_position_embeddings={context!r}: extending the context needs a positive one")
     return config
 
 
@@ -54,16 +69,6 @@ def _model_key(recipe: Recipe) -> tuple[str, Any]:
     return "model.name_or_path", recipe.model.name_or_path
 
 
-def _is_repo_id(name: str) -> bool:
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    try:
-        validate_repo_id(name)
-    except HFValidationError:
-        return False
-    return True
-
-
 def _model_config(recipe: Recipe):
     """The model's config: a missing local directory is reported as one, not as a bad Hub id."""
     from transformers import AutoConfig
@@ -72,10 +77,15 @@ def _model_config(recipe: Recipe):
     if is_built_in(name):
         return tiny_llama_config(**recipe.model.tiny)  # the schema has checked the overrides
     path = Path(name)  # as from_pretrained will read it
-    if not path.exists() and not _is_repo_id(name):
+    if not path.exists() and not is_repo_id(name):
         fail("model.name_or_path", name, "no such local directory (a Hub model is named like meta-llama/Llama-2-7b-hf)")
     if path.exists() and not (path / "config.json").is_file():
         fail("model.name_or_path", name, "a local model is a directory with config.json; this has none")
+    if path.exists():
+        try:
+            model_files(path, name)  # pickled weights refused, files cut short found, before anything loads
+        except ValueError as err:
+            fail("model.name_or_path", name, str(err))
     try:
         return AutoConfig.from_pretrained(name, trust_remote_code=recipe.model.trust_remote_code)
     except Exception as err:  # hub, file and remote-code errors come in many types
@@ -133,10 +143,17 @@ def _check_lora(recipe: Recipe, model: torch.nn.Module) -> None:
             found = "names no module" if not matched else f"names a {type(matched[0]).__name__}, which LoRA cannot adapt"
             names = sorted({_leaf(name) for name, m in modules.items() if isinstance(m, layers)})
             fail("lora.target_modules", lora.target_modules, f"{target!r} {found}; the model's layers LoRA can adapt: {', '.join(names)}")
+    targets = [name for name in modules if any(name == t or name.endswith("." + t) for t in lora.target_modules)]
     for suffix in lora.extra_trainable:  # PEFT modules_to_save: every module whose name ends with it
-        if not any(name.endswith(suffix) for name in modules):
+        matched = [name for name in modules if name.endswith(suffix)]
+        if not matched:
             ends = sorted({_leaf(name) for name in modules if not _leaf(name).isdigit()})
             fail("lora.extra_trainable", lora.extra_trainable, f"{suffix!r} ends no module name; the model's names end in: {', '.join(ends)}")
+        holding = [name for name in matched if any(t.startswith(name + ".") for t in targets)]
+        if holding:  # PEFT would copy it whole and leave LoRA nothing to adapt inside it
+            fail("lora.extra_trainable", lora.extra_trainable,
+                 f"{suffix!r} matches {holding[0]}, which holds LoRA's targets (lora.target_modules); "
+                 "name the layers to train whole, e.g. embed_tokens, norm")
 
 
 def _check_data(recipe: Recipe) -> None:

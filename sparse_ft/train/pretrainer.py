@@ -41,6 +41,10 @@ class Pretrainer(Trainer):
         return train_through(load_base(self.recipe, self.base, self.ds_config), self.method,
                              self.recipe.train.gradient_checkpointing)
 
+    def adapter_meta(self) -> None:
+        """No adapter: every weight trains, and the caller saves the model whole."""
+        return None
+
     def save(self) -> dict:
         """The summary only: the model is saved by the caller, with its evaluation. Training
         switched the KV cache off; a base model generates with it."""

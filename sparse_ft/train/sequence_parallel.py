@@ -53,10 +53,10 @@ def register(model: torch.nn.Module, recipe: Recipe):
     )
 
 
-def shard_batches(rows: Callable[[int], dict], first_micro: int, device: torch.device) -> Iterator[dict]:
-    """This rank's shards of its SP group's micro-batches from ``first_micro`` on. The adapter
-    takes one batch from each rank of the group in turn (``rows(m)``: this rank's m-th) and
-    hands every rank its slice of it, so group micro-batch t is rank t % sp's batch t // sp."""
+def shard_batches(rows: Callable[[int], dict], device: torch.device) -> Iterator[dict]:
+    """This rank's shards of its SP group's micro-batches. The adapter takes one batch from
+    each rank of the group in turn (``rows(m)``: this rank's m-th) and hands every rank its
+    slice of it, so group micro-batch t is rank t % sp's batch t // sp."""
     from deepspeed.runtime.sequence_parallel import parallel_state_sp as mpu
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter
 
@@ -66,10 +66,9 @@ def shard_batches(rows: Callable[[int], dict], first_micro: int, device: torch.d
         rows, n = batch["input_ids"].shape
         return {**batch, "position_ids": torch.arange(n).repeat(rows, 1)}
 
-    source = (with_positions(rows(m)) for m in itertools.count(first_micro // sp))
+    source = (with_positions(rows(m)) for m in itertools.count())
     adapter = UlyssesSPDataLoaderAdapter(source, mpu.get_sequence_parallel_rank(), mpu.get_sequence_parallel_group(), sp, device)
-    shards = ({k: v.to(device) for k, v in shard.items()} for shard in adapter)
-    return itertools.islice(shards, first_micro % sp, None)
+    return ({k: v.to(device) for k, v in shard.items()} for shard in adapter)
 
 
 class UlyssesEngine(DeepSpeedEngine):

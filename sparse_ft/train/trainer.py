@@ -1,8 +1,9 @@
 """The training recipe as one explicit class (torchtune style): ``Trainer.run`` calls its
 stages in order (the attention method, the input checks, processes and the output directory,
 data, model, engine, resume, the loop, the adapter), each a short method that a variant can
-override (``sparse_ft.train.pretrainer``). Deterministic data order, accumulation, logging,
-checkpoints and a bit-identical resume."""
+override (``sparse_ft.train.pretrainer``). Deterministic data order (``data_order``),
+accumulation, logging, checkpoints and a bit-identical resume, or one on another number of
+processes that continues the epoch where it stood."""
 
 from __future__ import annotations
 
@@ -23,40 +24,18 @@ from sparse_ft.modeling.model_io import load_tokenizer, materialize_tiny
 from sparse_ft.files.outputs import RunLock
 from sparse_ft.train import checkpoint, run_directory, sequence_parallel
 from sparse_ft.train.checkpoint import NonFiniteWeights
-from sparse_ft.train.adapter import save_adapter
+from sparse_ft.train.adapter import adapter_meta, save_adapter
+from sparse_ft.train.data_order import DataOrder, DataPosition, saved_position
 from sparse_ft.train.deepspeed import DeepSpeedEngine, resolve_deepspeed_config
 from sparse_ft.train.distributed import init_distributed
 from sparse_ft.train.engine import Engine
-from sparse_ft.train.fingerprint import check_resume, fingerprint
+from sparse_ft.train.fingerprint import check_data, check_resume, fingerprint
 from sparse_ft.train.metrics import MetricLog, peak_memory_mib
 from sparse_ft.train.model_setup import base_model_path, build_model, training_method
 from sparse_ft.train.preflight import preflight
 from sparse_ft.train.stopping import Diverged, Preempted, RunStopped, SaveClock, StopSignals, non_finite, signal_name
 from sparse_ft.modeling.tiny import is_built_in
-
-
-class DataOrder:
-    """Micro-batch ``m`` of rank ``r``: a fixed slice of epoch ``m // per_epoch``'s seeded
-    permutation. Position alone determines the batch, so a resume skips nothing and repeats
-    nothing."""
-
-    def __init__(self, size: int, batch: int, world: int, rank: int, *, seed: int) -> None:
-        self.size, self.batch, self.world, self.rank, self.seed = size, batch, world, rank, seed
-        self.per_epoch = size // (batch * world)
-        if self.per_epoch == 0:
-            raise ValueError(
-                f"the training set has {size} samples: fewer than per_device_batch_size={batch} × {world} processes; "
-                "add data or lower data.min_tokens / data.seq_len"
-            )
-        self._perm: Optional[tuple[int, torch.Tensor]] = None
-
-    def indices(self, micro: int) -> list[int]:
-        epoch, within = divmod(micro, self.per_epoch)
-        if self._perm is None or self._perm[0] != epoch:
-            gen = torch.Generator().manual_seed(self.seed + epoch)
-            self._perm = (epoch, torch.randperm(self.size, generator=gen))
-        start = (within * self.world + self.rank) * self.batch
-        return self._perm[1][start : start + self.batch].tolist()
+from sparse_ft.modeling.weight_files import fingerprint as weights_fingerprint
 
 
 def write_probe(engine: Engine, input_ids: torch.Tensor, device: torch.device, path: Path) -> None:
@@ -74,21 +53,17 @@ def write_probe(engine: Engine, input_ids: torch.Tensor, device: torch.device, p
         save_file({"input_ids": input_ids[None].contiguous(), "logits": logits.contiguous()}, str(path))
 
 
-def micro_per_epoch(recipe: Recipe, order: DataOrder) -> int:
-    """Micro-steps in an epoch: each rank's batches, or under sequence parallelism its SP
-    group's, which take their ranks' batches in turn."""
-    return order.per_epoch * recipe.train.sequence_parallel_size
-
-
-def total_steps(recipe: Recipe, order: DataOrder) -> int:
-    if recipe.train.max_steps > 0:
-        return recipe.train.max_steps
-    per_epoch = micro_per_epoch(recipe, order)
-    steps = recipe.train.num_epochs * per_epoch // recipe.train.gradient_accumulation_steps
+def total_steps(recipe: Recipe, order: DataOrder, start: DataPosition, done: int) -> int:
+    """The run's length in optimizer steps: ``train.max_steps``, or the ``done`` steps taken
+    plus what is left of ``train.num_epochs`` from ``start`` with this launch's processes."""
+    t = recipe.train
+    if t.max_steps > 0:
+        return t.max_steps
+    steps = done + order.remaining(start, t.num_epochs) // t.gradient_accumulation_steps
     if steps == 0:
         raise ValueError(
-            f"one epoch gives {per_epoch} micro-batches, fewer than train.gradient_accumulation_steps="
-            f"{recipe.train.gradient_accumulation_steps}: set train.max_steps or add data"
+            f"one epoch gives {order.per_epoch} micro-batches, fewer than train.gradient_accumulation_steps="
+            f"{t.gradient_accumulation_steps}: set train.max_steps or add data"
         )
     return steps
 
@@ -150,8 +125,9 @@ class Trainer:
 
     def _take_output_dir(self) -> int:
         """Rank 0: claim and lock the directory, refuse what the run would lose there (an
-        earlier run's checkpoints and results, links, files not sparse-ft's), pick the checkpoint to resume (verified) and check it was written with this recipe, all
-        before the resolved recipe and the tiny base are written. Returns its step, or -1."""
+        earlier run's checkpoints and results, links, files not sparse-ft's), pick the
+        checkpoint to resume (verified) and check it was written with this recipe, all before
+        the tiny base is written. Returns its step, or -1."""
         t = self.recipe.train
         run_directory.take(self.out)
         self.lock.acquire()
@@ -160,8 +136,6 @@ class Trainer:
         meta = checkpoint.read_meta(found) if found is not None else None
         if meta is not None:
             check_resume(meta["fingerprint"], self.fingerprint, t.resume_allow_changes, found)
-        save_resolved(self.recipe, self.out)
-        print(f"recipe {self.recipe.name}:\n{format_recipe(self.recipe)}", flush=True)
         if is_built_in(self.recipe.model.name_or_path):
             materialize_tiny(Path(self.base), t.seed, **self.recipe.model.tiny)
         return meta["step"] if meta is not None else -1
@@ -184,17 +158,32 @@ class Trainer:
 
     def setup_data(self) -> None:
         """The packed training set (rank 0 tokenizes, the others then read its cache), its
-        per-rank order, and the run's length in optimizer steps."""
-        recipe = self.recipe
-        self.tokenizer = load_tokenizer(self.base, recipe.model.trust_remote_code)
+        order over this launch's data-parallel groups, where the run starts in it, and the
+        run's length in optimizer steps."""
+        t = self.recipe.train
+        self.tokenizer = load_tokenizer(self.base, self.recipe.model.trust_remote_code)
         if self.rank == 0:
             self.dataset = self.load_dataset()
         self.barrier()
         if self.rank != 0:
             self.dataset = self.load_dataset()
-        self.order = DataOrder(len(self.dataset), recipe.train.per_device_batch_size, self.world, self.rank,
-                               seed=recipe.train.seed)
-        self.steps = total_steps(recipe, self.order)
+        self.data_identity = {"samples": len(self.dataset), "sha256": self.dataset.sha256()}
+        self.order = DataOrder(len(self.dataset), t.per_device_batch_size, self.world // t.sequence_parallel_size,
+                               seed=t.seed)
+        self.start, self.position = self.resume_position()
+        self.steps = total_steps(self.recipe, self.order, self.position, self.start)
+        if self.rank == 0:  # the run is on: a resume refused until here leaves the directory as it was
+            save_resolved(self.recipe, self.out)
+            print(f"recipe {self.recipe.name}:\n{format_recipe(self.recipe)}", flush=True)
+
+    def resume_position(self) -> tuple[int, DataPosition]:
+        """The step and data position the run continues from: the checkpoint's, once its
+        training set is this one (before the model loads), or the beginning."""
+        if self.resume_from is None:
+            return 0, DataPosition()
+        meta = checkpoint.read_meta(self.resume_from)
+        check_data(meta["data"], self.data_identity, self.recipe.train.resume_allow_changes, self.resume_from)
+        return meta["step"], saved_position(meta["data"], meta["fingerprint"], meta["world_size"], self.resume_from)
 
     def load_dataset(self) -> torch.utils.data.Dataset:
         """The recipe's documents, tokenised and packed into ``seq_len`` samples through a cache
@@ -209,6 +198,8 @@ class Trainer:
         on_cuda = torch.cuda.is_available()
         self.ds_config = resolve_deepspeed_config(self.recipe, self.world, on_cuda) if self.use_deepspeed else None
         self.model = self.build_model()
+        # read from the files the base loaded from (so the same under ZeRO-3 or NF4): the adapter records it
+        self.base_fingerprint = weights_fingerprint(self.base) if self.rank == 0 else None
         self.mpu = sequence_parallel.register(self.model, self.recipe) if self.recipe.train.sequence_parallel_size > 1 else None
         self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if on_cuda else torch.device("cpu")
 
@@ -228,23 +219,18 @@ class Trainer:
         self.model.train()
 
     def maybe_resume(self) -> None:
-        """Continue from the checkpoint rank 0 picked (verified, written with this recipe),
-        refusing one whose training set had another size: the data changed under the recipe."""
-        self.start, self.history = 0, []
-        if self.resume_from is None:
-            torch.manual_seed(self.recipe.train.seed + 1000 * self.rank)  # dropout differs across ranks, reproducibly
-            return
-        meta = checkpoint.load_checkpoint(self.engine, self.resume_from)
-        data_allowed = any(key.startswith(("data.", "model.")) for key in self.recipe.train.resume_allow_changes)
-        if meta["data"]["samples"] != len(self.dataset) and not data_allowed:
-            raise ValueError(
-                f"train.resume: {self.resume_from} was written when the training set had {meta['data']['samples']} samples, "
-                f"it has {len(self.dataset)} now (data.source changed): the data order would differ; "
-                "restore the data, or start afresh in a new train.output_dir"
-            )
-        self.start, self.history = meta["step"], meta["history"]
-        if self.rank == 0:
-            print(f"resumed from {self.resume_from} at step {self.start}", flush=True)
+        """Continue from the checkpoint rank 0 picked (verified, written with this recipe, on
+        this training set)."""
+        self.history = []
+        restored = False
+        if self.resume_from is not None:
+            meta = checkpoint.load_checkpoint(self.engine, self.resume_from)
+            self.history, restored = meta["history"], self.rank < meta["world_size"]
+            if self.rank == 0:
+                print(f"resumed from {self.resume_from} at step {self.start} (epoch {self.position.epoch}, after "
+                      f"{self.position.consumed} of its {self.order.size} samples)", flush=True)
+        if not restored:  # dropout differs across ranks, reproducibly (a rank the checkpoint's run lacked starts afresh)
+            torch.manual_seed(self.recipe.train.seed + 1000 * self.rank)
 
     def train(self) -> None:
         """Optimizer steps from ``start`` to the end: each logged, a checkpoint every
@@ -253,7 +239,7 @@ class Trainer:
         signal saves a checkpoint first, a non-finite step saves nothing."""
         t = self.recipe.train
         self.log = MetricLog(self.out, t.report_to, self.history) if self.rank == 0 else None
-        self.batches = self.micro_batches(self.start * t.gradient_accumulation_steps)
+        self.batches = self.micro_batches()
         clock = SaveClock(t.save_minutes)
         self.signals.deferred = True
         quiet = self.rank != 0 or not self.progress
@@ -294,16 +280,20 @@ class Trainer:
                             "lower train.lr or look at the data", announce=self.rank == 0))
 
     def _batch(self, micro: int) -> dict:
-        """This rank's micro-batch ``micro``, on the CPU."""
-        rows = [self.dataset[i] for i in self.order.indices(micro)]
+        """This rank's ``micro``-th batch since the run started or resumed, on the CPU: its
+        group's share of that micro-batch, or under sequence parallelism (an SP group takes its
+        ranks' batches in turn) of micro-batch ``micro × sp + its turn``."""
+        group, turn = divmod(self.rank, self.recipe.train.sequence_parallel_size)
+        at = self.order.advance(self.position, micro * self.recipe.train.sequence_parallel_size + turn)
+        rows = [self.dataset[i] for i in self.order.indices(at, group)]
         return {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
 
-    def micro_batches(self, first: int) -> Iterator[dict]:
-        """The micro-batches this rank trains on from micro-batch ``first`` on: its own, or
-        under sequence parallelism its shard of its SP group's."""
+    def micro_batches(self) -> Iterator[dict]:
+        """The micro-batches this rank trains on from where the run starts: its own, or under
+        sequence parallelism its shard of its SP group's."""
         if self.mpu is not None:
-            return sequence_parallel.shard_batches(self._batch, first, self.device)
-        return ({k: v.to(self.device) for k, v in self._batch(m).items()} for m in itertools.count(first))
+            return sequence_parallel.shard_batches(self._batch, self.device)
+        return ({k: v.to(self.device) for k, v in self._batch(m).items()} for m in itertools.count())
 
     def _step(self, step: int) -> dict:
         """One optimizer step over ``gradient_accumulation_steps`` micro-batches; its log record."""
@@ -320,18 +310,26 @@ class Trainer:
                 "tokens_per_s": tokens / seconds, "peak_mem_mib": peak_memory_mib(self.device)}
 
     def _checkpoint(self, step: int) -> None:
-        micro = step * self.recipe.train.gradient_accumulation_steps
-        position = {"samples": len(self.dataset), "micro_batches": micro, "epoch": micro // micro_per_epoch(self.recipe, self.order)}
-        meta = {"history": self.history, "recipe": self.recipe.name, "data": position, "fingerprint": self.fingerprint}
+        """Checkpoint ``step`` with the data position it reached: the training set it ran on
+        and how much of the epoch's order it consumed."""
+        accum = self.recipe.train.gradient_accumulation_steps
+        position = self.order.advance(self.position, (step - self.start) * accum)
+        data = {**self.data_identity, "micro_batches": step * accum, **position.to_json()}
+        meta = {"history": self.history, "recipe": self.recipe.name, "data": data, "fingerprint": self.fingerprint}
         try:
-            checkpoint.save_checkpoint(self.engine, self.out, step, meta, keep=self.recipe.train.save_total_limit)
+            checkpoint.save_checkpoint(self.engine, self.out, step, meta, keep=self.recipe.train.save_total_limit,
+                                       adapter=self.adapter_meta())
         except NonFiniteWeights as err:
             self._diverged(step, f"its update left {err}")
+
+    def adapter_meta(self) -> Optional[dict]:
+        """The ``sparse_ft.json`` of the adapter the run saves, and every checkpoint holds."""
+        return adapter_meta(self.engine.module, self.recipe, self.base, self.base_fingerprint)
 
     def save(self) -> dict:
         """The probe logits, the adapter and the summary."""
         write_probe(self.engine, self.dataset[0]["input_ids"][:128], self.device, self.out / run_directory.PROBE)
-        adapter_dir = save_adapter(self.engine, self.out / run_directory.ADAPTER, self.recipe, self.base, tokenizer=self.tokenizer)
+        adapter_dir = save_adapter(self.engine, self.out / run_directory.ADAPTER, self.adapter_meta(), tokenizer=self.tokenizer)
         summary = self.summary({"adapter": str(adapter_dir)})
         if self.rank == 0:
             print(f"adapter saved to {adapter_dir}", flush=True)

@@ -28,6 +28,7 @@ class Task:
     summary: str = ""  # one line in ``sparse-ft eval --help``
     description: str = ""  # the sub-command's description (default: the summary)
     picture: Optional[str] = None  # the flag naming its PNG (``plot``, ``heatmap``), if it draws one
+    lengths: list[int] = []  # the lengths it runs the method at (the method is checked at each first)
 
     @classmethod
     def configure(cls, parser: argparse.ArgumentParser) -> None:

@@ -10,6 +10,8 @@ from typing import Any, Optional
 
 from sparse_ft.evaluation.tasks.base import Task, lengths_flag, register
 
+DEFAULT_STRIDE = 256
+
 
 @register
 class Perplexity(Task):
@@ -18,7 +20,7 @@ class Perplexity(Task):
     description = "sliding-window perplexity at several lengths (docs/evaluation.md says exactly which tokens are scored)"
     picture = "plot"
 
-    def __init__(self, lengths: list[int], data: Any, *, stride: int = 256, scoring: str = "standard",
+    def __init__(self, lengths: list[int], data: Any, *, stride: int = DEFAULT_STRIDE, scoring: str = "standard",
                  batch_size: int = 1, max_windows: Optional[int] = None, max_tokens: Optional[int] = None,
                  data_dtype: Optional[str] = None, split: str = "validation", text_column: str = "text") -> None:
         """``data``: a path or dataset id as ``--data`` takes it, or the tokens themselves (an
@@ -26,6 +28,7 @@ class Perplexity(Task):
         self.lengths, self.data, self.stride, self.scoring = lengths, data, stride, scoring
         self.batch_size, self.max_windows, self.max_tokens = batch_size, max_windows, max_tokens
         self.data_dtype, self.split, self.text_column = data_dtype, split, text_column
+        self.tokens = None if isinstance(data, (str, Path)) else data
 
     @classmethod
     def configure(cls, p: argparse.ArgumentParser) -> None:
@@ -36,7 +39,8 @@ class Perplexity(Task):
         p.add_argument("--split", default="validation", help="split of an HF dataset id")
         p.add_argument("--text-column", default="text", help="column holding the text (jsonl/json/parquet, HF datasets)")
         p.add_argument("--lengths", default="1024,2048,4096,8192", help="window lengths (comma list)")
-        p.add_argument("--stride", type=int, default=256, help="window step")
+        p.add_argument("--stride", type=int, default=None,
+                       help="window step, at most the shortest window (default: 256, or the shortest --lengths when shorter)")
         p.add_argument("--scoring", default="standard", choices=["standard", "longlora"],
                        help="standard: every token once; longlora: LongLoRA eval.py's numbers")
         p.add_argument("--max-tokens", type=int, default=None, help="use only the first N tokens of --data (default: all)")
@@ -46,9 +50,12 @@ class Perplexity(Task):
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "Perplexity":
+        from sparse_ft.evaluation import windows
+
         lengths = lengths_flag(args.lengths)
-        if args.stride < 1:
-            raise ValueError(f"--stride {args.stride} must be >= 1")
+        if args.stride is None:
+            args.stride = min(DEFAULT_STRIDE, *lengths)
+        windows.check(lengths, args.stride)
         for flag in ("max_tokens", "num_windows", "batch_size"):
             value = getattr(args, flag)
             if value is not None and value < 1:
@@ -68,21 +75,29 @@ class Perplexity(Task):
         """Text needs the model's tokenizer; a token file (or tokens given) none."""
         from sparse_ft.evaluation import tokens
 
-        return isinstance(self.data, (str, Path)) and not tokens.check_data(str(self.data))
+        return self.tokens is None and not tokens.check_data(str(self.data), self.data_dtype)
+
+    def prepare(self, tokenizer: Any) -> None:
+        """The data read before the weights load: a file without text costs seconds, not a load."""
+        from sparse_ft.evaluation import tokens
+
+        if self.tokens is not None:
+            return
+        self.tokens = tokens.load_tokens(str(self.data), tokenizer, None, self.data_dtype, split=self.split,
+                                         text_column=self.text_column, max_tokens=self.max_tokens)
+        too_long = [n for n in self.lengths if n > len(self.tokens)]
+        if too_long:
+            raise ValueError(f"--lengths {','.join(map(str, too_long))} longer than the {len(self.tokens)} tokens of "
+                             "--data (lower it or add data)")
 
     def evaluate(self, model: Any, tokenizer: Any, method: Any) -> list[dict]:
         from sparse_ft.evaluation import ppl, tokens
 
-        stream = self.data
-        if isinstance(stream, (str, Path)):
-            vocab = model.get_output_embeddings().weight.shape[0]
-            stream = tokens.load_tokens(str(stream), tokenizer, vocab, self.data_dtype, split=self.split,
-                                        text_column=self.text_column, max_tokens=self.max_tokens)
-        too_long = [n for n in self.lengths if n > len(stream)]
-        if too_long:
-            raise ValueError(f"--lengths {','.join(map(str, too_long))} longer than the {len(stream)} tokens of --data "
-                             "(lower it or add data)")
-        return [ppl.evaluate_length(model, stream, n, self.stride, scoring=self.scoring, method=method,
+        if self.tokens is None:
+            self.prepare(tokenizer)
+        if isinstance(self.data, (str, Path)):  # read for this model: its ids must be in its vocabulary
+            tokens.check_vocabulary(self.tokens, model.get_output_embeddings().weight.shape[0], str(self.data))
+        return [ppl.evaluate_length(model, self.tokens, n, self.stride, scoring=self.scoring, method=method,
                                     batch_size=self.batch_size, max_windows=self.max_windows)
                 for n in self.lengths]
 
