@@ -16,7 +16,9 @@ from sparse_ft.files.outputs import OUTPUT_FIELD, atomic_file
 MARKERS = "osD^vP*Xh<>p"
 LINESTYLES = ((0, ()), (0, (5, 2)), (0, (1, 1.5)), (0, (6, 2, 1, 2)), (0, (3, 1, 1, 1, 1, 1)))  # solid, dashed, dotted, ...
 # Nice numbers per decade, finer when the data spans few decades, for the labelled ticks of a log axis.
-LOG_STEPS = ((1.0, (1, 1.2, 1.5, 2, 2.5, 3, 4, 5, 6, 8)), (2.0, (1, 1.5, 2, 3, 5, 7)), (3.0, (1, 2, 5)), (math.inf, (1,)))
+LOG_STEPS = ((0.3, (1, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.8, 2, 2.2, 2.4, 2.6, 2.8, 3, 3.2, 3.4, 3.6, 3.8, 4, 4.5, 5, 5.5, 6, 7,
+                    8, 9)),
+             (1.0, (1, 1.2, 1.5, 2, 2.5, 3, 4, 5, 6, 8)), (2.0, (1, 1.5, 2, 3, 5, 7)), (3.0, (1, 2, 5)), (math.inf, (1,)))
 
 
 def _pyplot():

@@ -130,8 +130,10 @@ def draw(results: dict, out: Path) -> list[Path]:
         drawn.append(plot_passkey(row["passkey"], out / f"passkey_free_{row['name']}.png",
                                   f"passkey, {base} (context {context}), training-free: {row['name']}"))
     if series:
-        parts = ([f"fine-tuned to {target} ({rope} + LoRA+, {seeds}), solid"] if _by_pattern(results["rows"]) else [])
-        parts += ["training-free on the base, broken lines"] if free else []
+        tuned = _by_pattern(results["rows"])
+        both = bool(tuned and free)  # then say which lines are which
+        parts = [f"fine-tuned to {target} ({rope} + LoRA+, {seeds})" + (", solid" if both else "")] if tuned else []
+        parts += ["training-free on the base" + (", broken lines" if both else "")] if free else []
         title = f"{base} (pretrained at {context} tokens): perplexity vs length\n" + "; ".join(parts)
         drawn.append(plot_ppl(series, out / "ppl_vs_length.png", dashed=[r["name"] for r in free], title=title))
     return drawn
