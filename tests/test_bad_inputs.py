@@ -346,6 +346,8 @@ BENCH = ["--lengths", "64", "--repeats", "1", "--warmup", "0"]
 # argv (ADAPTER: a trained adapter, BASE: assets/tiny-base, TEXT: a text file, DATA: what the data
 # column made, OUT: a place for outputs), data (tmp, adapter) -> path, message after "error: "
 CLI_CASES = {
+    "eval results and plot into one file": (
+        [*PPL, "--output", "OUT/r.png", "--plot", "OUT/r.png"], None, r"--plot .*/out/r.png is also --output: name two different files"),
     # part 4: honest evaluation
     "eval without --model or --adapter": (
         EVAL, None, r"--model is required without --adapter \(with one, its recorded base is the default\)"),

@@ -92,10 +92,14 @@ def _check_outputs(args, inputs: dict, *flags: str, pictures: tuple[str, ...] = 
     from sparse_ft.evaluation.plots import check_format
     from sparse_ft.files.outputs import check_apart, check_output_file
 
+    written: dict[Path, str] = {}  # one command's outputs must not replace each other either
     for flag in (*flags, *pictures):
         path = getattr(args, flag)
         if path is None:
             continue
+        if Path(path).resolve() in written:
+            raise ValueError(f"--{flag} {path} is also {written[Path(path).resolve()]}: name two different files")
+        written[Path(path).resolve()] = f"--{flag}"
         check_apart(path, f"--{flag}", inputs)
         check_output_file(path, f"--{flag}", args.overwrite)
         if flag in pictures:
