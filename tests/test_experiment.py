@@ -16,7 +16,8 @@ def experiment(tmp_path_factory):
     cfg = ExperimentConfig(base=str(base), output=str(root / "out"), runs=str(root / "runs"), patterns=["s2"], seeds=[0, 1], steps=2,
                            ppl_factors=[1, 2], passkey_factors=[1, 2], free_methods=["vanilla", "pi", "dca_intra", "parallelcomp"],
                            free_factors=[1, 2], ppl_windows=1, passkey_trials=1, passkey_depths=[0.5],
-                           data=str(root / "data"), modules=MODULES, val_percent=50)
+                           data=str(root / "data"), modules=MODULES, val_percent=50,
+                           ruler_tasks=["niah_single_2"], ruler_factors=[2], ruler_samples=1)
     return cfg, Runner(cfg).run()
 
 
@@ -36,6 +37,40 @@ def test_rows_tables_and_plots(experiment):
     assert [r["length"] for r in row["ppl"]] == [256, 512] and {c["length"] for c in row["passkey"]} == {256, 512}
     adapter = json.loads((Path(cfg.runs) / "s2-seed0" / "adapter" / "sparse_ft.json").read_text())
     assert adapter["rope_parameters"]["factor"] == 4.0 and adapter["train_attention"]["pattern"] == "s2"  # PI 1024/256
+
+
+def test_ruler_per_row_with_both_effective_lengths(experiment):
+    cfg, results = experiment
+    for row in results["rows"]:
+        ruler = row["ruler"]
+        assert [(r["task"], r["length"], r["samples"]) for r in ruler["rows"]] == [("niah_single_2", 512, 1)]
+        effective = ruler["summary"]["effective_length"]
+        assert effective["ruler"]["threshold"] == 85.6
+        # the base's 256 tokens hold no niah_single_2 prompt: no relative threshold, and the note says why
+        assert effective["relative"]["threshold"] is None and "256 is shorter" in effective["relative"]["note"]
+    tables = (Path(cfg.output) / "tables.md").read_text()
+    assert "## RULER" in tables and "| s2 (fine-tuned) | " in tables and "| dca_intra | " in tables
+    assert "n/a: the base's pretraining length 256 is shorter" in tables
+
+
+def test_changed_ruler_settings_keep_training_and_the_other_scores(experiment, tmp_path):
+    """RULER is cached apart from the rest of a row: more samples re-run RULER alone (no
+    retraining, PPL and passkey kept), and the quick budget leaves RULER out."""
+    import shutil
+
+    cfg, results = experiment
+    out = tmp_path / "out"
+    shutil.copytree(cfg.output, out)
+    stamp = Path(cfg.runs) / "s2-seed0" / "experiment_train.json"
+    trained = stamp.stat().st_mtime_ns
+    more = ExperimentConfig(**{**cfg.__dict__, "output": str(out), "seeds": [0], "free_methods": ["vanilla"],
+                               "ruler_samples": 2})
+    rows = Runner(more).run()["rows"]
+    assert stamp.stat().st_mtime_ns == trained
+    assert [r["ruler"]["rows"][0]["samples"] for r in rows] == [2, 2]
+    kept = {r["name"]: r for r in results["rows"]}
+    assert all(r["ppl"] == kept[r["name"]]["ppl"] and r["passkey"] == kept[r["name"]]["passkey"] for r in rows)
+    assert QUICK["ruler_tasks"] == []
 
 
 def test_rerun_reuses_finished_rows(experiment):
@@ -69,6 +104,8 @@ def test_quick_flag_and_bad_names(experiment, tmp_path):
     assert yarn.output == QUICK["output"] + "-yarn" and yarn.runs == QUICK["runs"] + "-yarn"  # PI results kept
     with pytest.raises(ValueError, match="'s3'"):
         ExperimentConfig(base=cfg.base, patterns=["s3"]).validate()
+    with pytest.raises(ValueError, match="ruler_tasks 'niah'"):
+        ExperimentConfig(base=cfg.base, ruler_tasks=["niah"]).validate()
     with pytest.raises(FileNotFoundError, match="--base"):
         ExperimentConfig(base=str(tmp_path / "none")).validate()
 

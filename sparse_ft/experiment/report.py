@@ -1,7 +1,8 @@
 """Tables and pictures of ``sparse-ft experiment`` results: fine-tuned rows shaped like SCCA's
 Table 2 (PPL at 1x-4x after PI + LoRA+ through each training pattern, mean and spread over
 seeds), training-free rows like DCA's Table 1 (PPL far past the pretraining length), passkey
-accuracy per length, a PPL-vs-length plot and one passkey heatmap per row."""
+accuracy per length, RULER's mean per length and effective context length per row, a PPL-vs-length plot and one
+passkey heatmap per row."""
 
 from __future__ import annotations
 
@@ -38,6 +39,50 @@ def _passkey(row: dict) -> dict[int, float]:
     for c in row["passkey"]:
         acc[c["length"]].append(c["accuracy"])
     return {n: mean(v) for n, v in acc.items()}
+
+
+def _ruler(row: dict) -> dict[int, float]:
+    """RULER's mean over its tasks per length ({} for a row measured without RULER)."""
+    return {m["length"]: m["mean"] for m in row.get("ruler", {}).get("summary", {}).get("means", [])}
+
+
+def _effective(rows: list[dict], which: str) -> str:
+    """Each row's effective length, seeds apart: a mean of lengths is no length."""
+    from sparse_ft.evaluation.effective_length import brief
+
+    return " / ".join(brief(r["ruler"]["summary"]["effective_length"][which]) for r in rows)
+
+
+def _ruler_table(rows: list[dict], groups: dict[str, list[dict]]) -> list[str]:
+    """RULER's mean per length and both effective lengths: fine-tuned patterns (mean ±
+    half-range over seeds; effective lengths per seed), then the training-free rows."""
+    measured = [r for r in rows if _ruler(r)]
+    if not measured:
+        return []
+    first = measured[0]["ruler"]
+    summary, lengths = first["summary"], sorted({n for r in measured for n in _ruler(r)})
+    relative = summary["effective_length"]["relative"]
+    base = summary["base"]
+    rel = (f"mean >= {relative['fraction']:g} x the base's {base['mean']:.1f} at {base['length']}" if base
+           else f"n/a: {relative['note']}")
+    samples = first["rows"][0]["samples"]
+    out = ["## RULER: mean score per length and effective context length", "",
+           f"Tasks {', '.join(summary['tasks'])}; {samples} samples per task and length, greedy, scored as RULER "
+           f"scores them; fine-tuned rows with full attention. Effective length: the longest length whose mean is "
+           f">= {summary['effective_length']['ruler']['threshold']:g} (RULER's threshold); relative: {rel}. "
+           "`≥N`: N is the longest evaluated; fine-tuned rows list each seed.", "",
+           "| row | " + " | ".join(f"mean@{n}" for n in lengths) + " | effective (85.6) | relative |",
+           "|---|" + "---:|" * len(lengths) + "---|---|"]
+    for pattern, group in groups.items():
+        if all(_ruler(r) for r in group):
+            cells = [_spread([_ruler(r)[n] for r in group], 1) for n in lengths]
+            out.append(f"| {pattern} (fine-tuned) | " + " | ".join(cells)
+                       + f" | {_effective(group, 'ruler')} | {_effective(group, 'relative')} |")
+    for r in measured:
+        if r["kind"] == "training-free":
+            out.append(f"| {r['name']} | " + " | ".join(f"{_ruler(r)[n]:.1f}" for n in lengths)
+                       + f" | {_effective([r], 'ruler')} | {_effective([r], 'relative')} |")
+    return out + [""]
 
 
 def _spread(values: list[float], digits: int) -> str:
@@ -97,7 +142,7 @@ def tables(results: dict) -> str:
             acc = _passkey(r)
             out.append(f"| {r['name']} | " + " | ".join(f"{acc[n]:.2f}" for n in lengths) + " |")
         out.append("")
-    return "\n".join(out)
+    return "\n".join(out + _ruler_table(rows, groups))
 
 
 def write_report(results: dict, out: Path) -> None:

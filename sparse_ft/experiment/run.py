@@ -22,7 +22,7 @@ import json
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from sparse_ft.config.paths import RECIPE_DIRS
 from sparse_ft.experiment.pretrain import ASSET_DIR, machine
@@ -42,6 +42,11 @@ ABLATIONS: dict[str, dict[str, dict]] = {
     "dca": {"dca_intra": {"pieces": "intra"}, "dca_intra_inter": {"pieces": "intra+inter"},
             "dca_qwen": {"variant": "qwen"}},
 }
+# RULER's tasks whose shortest prompt (with its generation budget) fits the fine-tuning target
+# 4C = 1024 on the tiny base: every mean is then over the same tasks at every length. vt (1,746
+# tokens with its worked example) and cwe (1,732) need 2048.
+RULER_TASKS = ["niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
+               "niah_multikey_3", "niah_multivalue", "niah_multiquery", "fwe"]
 
 
 def free_methods() -> dict[str, tuple[str, dict]]:
@@ -73,6 +78,9 @@ class ExperimentConfig:
     ppl_windows: int = 16  # windows per length; stride = the base's context
     passkey_depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
     passkey_trials: int = 5
+    ruler_tasks: list[str] = field(default_factory=lambda: list(RULER_TASKS))  # [] leaves RULER out
+    ruler_factors: list[int] = field(default_factory=lambda: [4, 8])  # every row, fine-tuned and training-free
+    ruler_samples: int = 3  # per task and length (RULER's runs use 500; each is a 128-token greedy answer here)
     data: str = ".cache/sparse-ft/experiment"  # fine-tuning corpus at the target length
     modules: Optional[list[str]] = None  # stdlib modules of the corpus (None: all; tests use a few)
     val_percent: float = 5.0
@@ -89,7 +97,12 @@ class ExperimentConfig:
         for m in self.free_methods:
             if m not in rows:
                 raise ValueError(f"--free-methods {m!r} is unknown; allowed: {', '.join(rows)}")
-        for key in ("factor", "steps", "ppl_windows", "passkey_trials"):
+        from sparse_ft.evaluation.tasks.generation import generation_tasks
+
+        for task in self.ruler_tasks:
+            if task not in generation_tasks():
+                raise ValueError(f"ruler_tasks {task!r} is unknown; allowed: {', '.join(generation_tasks())}")
+        for key in ("factor", "steps", "ppl_windows", "passkey_trials", "ruler_samples"):
             if getattr(self, key) < 1:
                 raise ValueError(f"--{key.replace('_', '-')} {getattr(self, key)} must be >= 1")
         if not self.seeds:
@@ -101,8 +114,10 @@ class ExperimentConfig:
                 raise ValueError(f"{flag} {value}: {blocking} is a file; name a directory")
 
 
+# no RULER: its 128-token answers at 1024 and 2048 tokens alone would take longer than the rest
 QUICK = dict(output="results/experiment-quick", runs="runs/experiment-quick", steps=100, ppl_windows=4,
-             passkey_trials=2, passkey_depths=[0.0, 0.5, 1.0], passkey_factors=[1, 2, 4], free_factors=[1, 2, 4, 8])
+             passkey_trials=2, passkey_depths=[0.0, 0.5, 1.0], passkey_factors=[1, 2, 4], free_factors=[1, 2, 4, 8],
+             ruler_tasks=[])
 
 
 def _row_key(kind: str, settings: dict) -> str:
@@ -149,6 +164,7 @@ class Runner:
         self.context = original_context(AutoConfig.from_pretrained(cfg.base))
         self.target = self.context * cfg.factor
         self.jsonl: Optional[Path] = None  # the fine-tuning documents, once data() built them
+        self.ruler_base: Optional[tuple[Optional[dict], str]] = None  # (measurement, why none), once measured
 
     def _cached(self, name: str, key: str) -> Optional[dict]:
         path = self.out / "rows" / f"{name}.json"
@@ -230,7 +246,8 @@ class Runner:
         settings = {"recipe": recipe.to_dict(), **self._eval_settings(), "ppl_own_pattern": True}
         key = _row_key("fine-tuned", settings)
         if (row := self._cached(name, key)) is not None:
-            return row
+            adapter = lambda: self._train(recipe, run_dir)[0]["adapter"]  # reused: only RULER may be missing
+            return self._with_ruler(row, lambda: loading.load(self.cfg.base, adapter()), methods.get("full"))
         summary, train_seconds = self._train(recipe, run_dir)
         began = time.perf_counter()
         model, tokenizer = loading.load(self.cfg.base, summary["adapter"])
@@ -241,10 +258,11 @@ class Runner:
         # the same model through the pattern it was trained with: separates "learned the
         # longer context" from "carries over to full attention", which the papers assume
         own = _ppl(val, [self.target], self.context, self.cfg).evaluate(model, tokenizer, methods.get(pattern))[0]
-        return self._write({"name": name, "kind": "fine-tuned", "pattern": pattern, "seed": seed, "key": key,
-                            "train_seconds": train_seconds, "eval_seconds": time.perf_counter() - began,
-                            "final_loss": summary["final_loss"], "loss_curve": [h["loss"] for h in summary["history"]],
-                            "ppl_own_pattern": own, **result})
+        row = {"name": name, "kind": "fine-tuned", "pattern": pattern, "seed": seed, "key": key,
+               "train_seconds": train_seconds, "eval_seconds": time.perf_counter() - began,
+               "final_loss": summary["final_loss"], "loss_curve": [h["loss"] for h in summary["history"]],
+               "ppl_own_pattern": own, **result}
+        return self._with_ruler(self._write(row), lambda: (model, tokenizer), methods.get("full"))
 
     def training_free(self, label: str, val) -> dict:
         from sparse_ft import methods
@@ -255,14 +273,57 @@ class Runner:
         # keyed on every parameter, defaults included: a changed default is a new row, not a stale one
         key = _row_key("training-free", {"method": repr(method), "base": self.cfg.base, **self._eval_settings()})
         if (row := self._cached(label, key)) is not None:
-            return row
+            return self._with_ruler(row, lambda: loading.load(self.cfg.base), method)
         began = time.perf_counter()
         model, tokenizer = loading.load(self.cfg.base)
         lengths = [self.context * f for f in self.cfg.free_factors]
         result = evaluate(model, tokenizer, method, val, context=self.context, ppl_lengths=lengths,
                           passkey_lengths=lengths, cfg=self.cfg)
-        return self._write({"name": label, "kind": "training-free", "method": name, "params": params, "key": key,
-                            "eval_seconds": time.perf_counter() - began, **result})
+        row = {"name": label, "kind": "training-free", "method": name, "params": params, "key": key,
+               "eval_seconds": time.perf_counter() - began, **result}
+        return self._with_ruler(self._write(row), lambda: (model, tokenizer), method)
+
+    def _with_ruler(self, row: dict, load: Callable[[], tuple[Any, Any]], method) -> dict:
+        """``row`` with RULER's scores and effective lengths at 4C and 8C, measured apart from
+        the rest of the row and cached under their own key: a change to RULER's settings (or
+        RULER added to rows made without it) costs neither retraining nor PPL and passkey."""
+        if not self.cfg.ruler_tasks:
+            return row
+        key = _row_key("ruler", {"tasks": self.cfg.ruler_tasks, "factors": self.cfg.ruler_factors,
+                                 "samples": self.cfg.ruler_samples, "row": row["key"]})
+        if row.get("ruler", {}).get("key") == key:
+            return row
+        began = time.perf_counter()
+        from sparse_ft.modeling.attention import use_attention
+
+        model, tokenizer = load()
+        use_attention(model, method)  # a model reused from its row may still attend through its training pattern
+        measured, note = self._ruler_base(tokenizer)
+        ruler = self._ruler([self.context * f for f in self.cfg.ruler_factors], base=measured, base_note=note)
+        ruler.prepare(tokenizer)
+        rows = ruler.evaluate(model, tokenizer, method)
+        row["ruler"] = {"key": key, "rows": rows, "summary": ruler.summary_of(rows), "seconds": time.perf_counter() - began}
+        return self._write(row)
+
+    def _ruler(self, lengths: list[int], **base):
+        from sparse_ft.evaluation.tasks.ruler import Ruler
+
+        return Ruler(lengths, self.cfg.ruler_tasks, samples=self.cfg.ruler_samples, seed=0, **base)
+
+    def _ruler_base(self, tokenizer) -> tuple[Optional[dict], Optional[str]]:
+        """The base model's RULER mean at its own context C, with full attention, measured once
+        per invocation for every row's relative effective length; None and the reason when C is
+        shorter than the shortest prompt (the tiny base: 256 < 563)."""
+        if self.ruler_base is None:
+            from sparse_ft import methods
+            from sparse_ft.evaluation import loading
+
+            ruler = self._ruler([])
+            ruler.prepare(tokenizer)
+            model, _ = loading.load(self.cfg.base)
+            self.ruler_base = (ruler.measure_base(model, tokenizer, methods.get("full")), ruler.base_note)
+        measured, note = self.ruler_base
+        return measured, None if measured is not None else note
 
     def _eval_settings(self) -> dict:
         c = self.cfg
@@ -277,7 +338,8 @@ class Runner:
         rows += [self.training_free(m, val) for m in self.cfg.free_methods]
         # reused rows and adapters keep the seconds they took when made: their sum is the cost
         # of the whole table even when this invocation only filled in what changed
-        row_seconds = sum(r.get("train_seconds", 0.0) + r["eval_seconds"] for r in rows)
+        row_seconds = sum(r.get("train_seconds", 0.0) + r["eval_seconds"] + r.get("ruler", {}).get("seconds", 0.0)
+                          for r in rows)
         results = {"config": asdict(self.cfg), "context": self.context, "target": self.target, "rows": rows,
                    "wall_seconds": time.perf_counter() - began, "row_seconds": row_seconds, "machine": machine()}
         from sparse_ft.experiment.report import write_report

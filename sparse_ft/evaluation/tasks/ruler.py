@@ -56,16 +56,19 @@ class Ruler(Task):
 
     def __init__(self, lengths: list[int], tasks: Sequence["GenerationTask | str"], *, samples: int = 25, seed: int = 0,
                  haystack: Optional[str] = None, threshold: float = RULER_THRESHOLD, fraction: float = 0.9,
-                 base: Optional[dict] = None) -> None:
+                 base: Optional[dict] = None, base_note: Optional[str] = None) -> None:
         """``base``: the base model's mean at its pretraining length, from an earlier run
-        (``--reference``); None measures it in this run when the model carries no adapter."""
+        (``--reference``) or an earlier ``measure_base``; None measures it in this run when
+        the model carries no adapter, unless ``base_note`` says why there is none (then the
+        relative effective length is n/a without another attempt)."""
         self.lengths, self.samples, self.seed, self.haystack = lengths, samples, seed, haystack
         self.tasks = [TASKS.get(t) if isinstance(t, str) else t for t in tasks]
         self.threshold, self.fraction, self.base = threshold, fraction, base
         self.prompts: dict[tuple[str, int], list[Prompt]] = {}
         self.tokenizer: Any = None
         self.essay: list[str] = []
-        self.base_note = "no base measurement"  # why there is none, when there is none
+        self.base_note = base_note or "no base measurement"  # why there is none, when there is none
+        self.measure = base is None and base_note is None
 
     # --- command line --------------------------------------------------------------------------
     @classmethod
@@ -171,8 +174,8 @@ class Ruler(Task):
     def evaluate(self, model: Any, tokenizer: Any, method: Any) -> list[dict]:
         from tqdm import tqdm
 
-        if self.base is None:
-            self.base = self._measure_base(model, tokenizer, method)
+        if self.measure:
+            self.base = self.measure_base(model, tokenizer, method)
         rows = []
         bar = tqdm(total=len(self.tasks) * len(self.lengths) * self.samples, desc="ruler", unit="sample")
         for length in self.lengths:
@@ -203,7 +206,7 @@ class Ruler(Task):
                 "tokens_to_generate": task.tokens_to_generate, "seconds": time.perf_counter() - began,
                 "answers": [list(p.sample.answers) for p in prompts], "outputs": outputs, "scores": scores}
 
-    def _measure_base(self, model: Any, tokenizer: Any, method: Any) -> Optional[dict]:
+    def measure_base(self, model: Any, tokenizer: Any, method: Any) -> Optional[dict]:
         """The base model's mean at its pretraining length C, with full attention: from this
         run's own rows when they are that (method ``full``, C among the lengths), else measured
         first. None with an adapter (the loaded model is no longer the base) or when C is
