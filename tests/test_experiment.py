@@ -73,6 +73,24 @@ def test_changed_ruler_settings_keep_training_and_the_other_scores(experiment, t
     assert QUICK["ruler_tasks"] == []
 
 
+def test_an_interrupted_training_run_resumes(experiment, tmp_path):
+    """A run stopped before its adapter was written (a preempted experiment) resumes from its
+    checkpoint on the next invocation, though the recipe says resume: never."""
+    import shutil
+
+    cfg, results = experiment
+    runs = tmp_path / "runs"
+    shutil.copytree(Path(cfg.runs) / "s2-seed0", runs / "s2-seed0", symlinks=True)
+    (runs / "s2-seed0" / "experiment_train.json").unlink()
+    shutil.rmtree(runs / "s2-seed0" / "adapter")
+    assert sorted(p.name for p in (runs / "s2-seed0").glob("checkpoint-*")) == ["checkpoint-2"]
+    again = ExperimentConfig(**{**cfg.__dict__, "output": str(tmp_path / "out"), "runs": str(runs), "seeds": [0],
+                                "free_methods": [], "ruler_tasks": []})
+    row = Runner(again).run()["rows"][0]
+    ppl = [r["ppl"] for r in row["ppl"]]
+    assert ppl == [r["ppl"] for r in results["rows"][0]["ppl"]]  # the same adapter, resumed at its last step
+
+
 def test_rerun_reuses_finished_rows(experiment):
     cfg, results = experiment
     rows = Path(cfg.output) / "rows"

@@ -227,8 +227,10 @@ class Runner:
                 print(f"reusing the adapter in {run_dir}")
                 return done["summary"], done["train_seconds"]
             # the directory holds a finished run of other settings: this one starts afresh there
-            # (only its checkpoints go); an interrupted run of these settings resumes instead
+            # (only its checkpoints go)
             recipe.train.resume, recipe.train.overwrite_output_dir = "never", True
+        else:  # an interrupted run of these settings (preempted, stopped) resumes: the trainer checks they match
+            recipe.train.resume = "auto"
         began = time.perf_counter()
         summary = train(recipe)
         seconds = time.perf_counter() - began
