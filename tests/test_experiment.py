@@ -168,3 +168,12 @@ def test_replot_redraws_only_the_plots(experiment, tmp_path, capsys):
     assert main(["experiment", "--output", str(tmp_path / "empty"), "--replot"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "holds no results.json" in err
+
+
+def test_ablation_rows_keep_the_tiny_base_settings():
+    """An ablation row differs from its method's row by the ablated setting alone."""
+    from sparse_ft.experiment.run import free_methods
+
+    rows = free_methods()
+    assert rows["longheads"] == ("longheads", {"chunk_size": 32})
+    assert rows["longheads_paper"] == ("longheads", {"chunk_size": 32, "keep_previous": False})
