@@ -5,6 +5,7 @@ and against the full model's (so a harness that ignored the method would fail)."
 
 import json
 import math
+import re
 import sys
 import tomllib
 from pathlib import Path
@@ -92,9 +93,9 @@ def greedy_answer(model, tokenizer, context: str, budget: int) -> str:
     return tokenizer.decode(new, skip_special_tokens=True).split("\n")[0]
 
 
-def perplexity(model, tokenizer) -> float:
+def perplexity(model, tokenizer, docs=DOCS) -> float:
     """lm-eval's ``perplexity`` metric of tiny_ll: exp of minus the mean log-likelihood per document."""
-    lls = [loglikelihood(model, tokenizer, d["code"], d["choices"][d["gold"]]) for d in DOCS]
+    lls = [loglikelihood(model, tokenizer, d["code"], d["choices"][d["gold"]]) for d in docs]
     return math.exp(-sum(lls) / len(lls))
 
 
@@ -155,7 +156,8 @@ def test_eval_harness_writes_what_the_full_model_scores(task_dir, tmp_path, caps
 
 def test_an_adapters_rope_is_restored(task_dir, tmp_path):
     """An adapter trained with linear RoPE x2 to 512 (its LoRA is the identity): the harness
-    scores the base with that RoPE, at the adapter's context."""
+    scores the base with that RoPE, at the adapter's context (on the first two documents:
+    ``--limit 2``)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -166,13 +168,21 @@ def test_an_adapters_rope_is_restored(task_dir, tmp_path):
         "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}))
     out = tmp_path / "r.json"
     assert main(["eval", "harness", "--adapter", str(adapter), "--tasks", "tiny_ll", "--include-path", str(task_dir),
-                 "--output", str(out)]) == 0
+                 "--limit", "2", "--output", str(out)]) == 0
     payload = json.loads(out.read_text())
     scaled, tokenizer, _ = loaded("full", str(adapter))
     base, _, _ = loaded("full")
     assert payload["summary"]["max_length"] == 2 * CONTEXT
-    assert metric(payload, "tiny_ll", "perplexity") == pytest.approx(perplexity(scaled, tokenizer), rel=1e-3)
-    assert abs(math.log(perplexity(scaled, tokenizer) / perplexity(base, tokenizer))) > 0.05
+    assert metric(payload, "tiny_ll", "perplexity") == pytest.approx(perplexity(scaled, tokenizer, DOCS[:2]), rel=1e-3)
+    assert abs(math.log(perplexity(scaled, tokenizer, DOCS[:2]) / perplexity(base, tokenizer, DOCS[:2]))) > 0.05
+    assert payload["results"][0]["samples"] == 2
+
+
+def test_metadata_reaches_every_task(task_dir):
+    """``--metadata`` is lm-eval's: RULER reads its tokenizer and lengths there."""
+    task = harness.Harness(["tiny_ll", "tiny_mc"], include_path=str(task_dir), metadata={"max_seq_lengths": [64]})
+    task.prepare(None)
+    assert [t.config.metadata["max_seq_lengths"] for t in task.loaded] == [[64], [64]]
 
 
 ERRORS = {
@@ -186,6 +196,8 @@ ERRORS = {
     "no include path": (["--tasks", "tiny_ll", "--include-path", "NOWHERE"], r"--include-path .*NOWHERE: no such directory"),
     "bad limit": (["--tasks", "tiny_ll", "--limit", "1.5"], r"--limit 1\.5 must be a whole number >= 1 or a fraction"),
     "empty tasks": (["--tasks", ","], r"--tasks ',' names no task"),
+    "metadata not an object": (["--tasks", "tiny_ll", "--metadata", "[4096]"], r"--metadata '\[4096\]' is a JSON list, not an object"),
+    "metadata not JSON": (["--tasks", "tiny_ll", "--metadata", "{max: 1}"], r"--metadata '\{max: 1\}' is not JSON"),
 }
 
 
@@ -200,7 +212,7 @@ def test_bad_harness_input_fails_in_one_line_before_the_model_loads(case, task_d
     assert main(["eval", "harness", "--model", BASE, "--include-path", str(task_dir), *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("sparse-ft eval: error: ") and sum("error:" in line for line in err) == 1, err
-    assert __import__("re").search(message, err[-1]), err[-1]
+    assert re.search(message, err[-1]), err[-1]
 
 
 def test_without_lm_eval_the_extra_is_named(task_dir, monkeypatch, capsys):

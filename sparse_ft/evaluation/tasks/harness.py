@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import json
 from pathlib import Path
 from typing import Any, Optional
 
@@ -57,6 +58,18 @@ def result_rows(results: dict) -> list[dict]:
     return rows
 
 
+def _json_object(text: Optional[str]) -> Optional[dict]:
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"--metadata {text!r} is not JSON ({err.msg}); give an object, e.g. '{{\"max_seq_lengths\": [4096]}}'") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"--metadata {text!r} is a JSON {type(value).__name__}, not an object")
+    return value
+
+
 @register
 class Harness(Task):
     name = "harness"
@@ -65,8 +78,10 @@ class Harness(Task):
                    "tested) through the method, an adapter's RoPE restored (docs/evaluation.md)")
 
     def __init__(self, tasks: list[str], *, include_path: Optional[str] = None, limit: Optional[float] = None,
-                 num_fewshot: Optional[int] = None, batch_size: int = 1, max_length: Optional[int] = None) -> None:
+                 num_fewshot: Optional[int] = None, batch_size: int = 1, max_length: Optional[int] = None,
+                 metadata: Optional[dict] = None) -> None:
         self.tasks, self.include_path, self.limit, self.num_fewshot = tasks, include_path, limit, num_fewshot
+        self.metadata = metadata
         self.batch_size, self.max_length = batch_size, max_length
         self.lengths = [max_length] if max_length else []
         self.version = lm_eval_version()
@@ -86,6 +101,9 @@ class Harness(Task):
         p.add_argument("--max-length", type=int, default=None,
                        help="the length the method is applied at; longer prompts lose their start, as lm-eval truncates "
                        "(default: the model's context, an adapter's included)")
+        p.add_argument("--metadata", default=None, metavar="JSON",
+                       help="JSON object lm-eval hands to every task, as its --metadata (RULER: "
+                       "'{\"tokenizer\": \"MODEL\", \"max_seq_lengths\": [4096]}'; default: none)")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "Harness":
@@ -102,7 +120,8 @@ class Harness(Task):
             if value is not None and value < low:
                 raise ValueError(f"--{flag.replace('_', '-')} {value} must be >= {low}")
         return cls(names, include_path=args.include_path, limit=int(limit) if limit and limit >= 1 else limit,
-                   num_fewshot=args.num_fewshot, batch_size=args.batch_size, max_length=args.max_length)
+                   num_fewshot=args.num_fewshot, batch_size=args.batch_size, max_length=args.max_length,
+                   metadata=_json_object(args.metadata))
 
     def inputs(self) -> dict[str, Any]:
         return {"--include-path": self.include_path}
@@ -122,9 +141,9 @@ class Harness(Task):
         from lm_eval.tasks import TaskManager
 
         local = Path(self.include_path).expanduser() if self.include_path else None
-        self.manager = TaskManager(include_path=str(local), include_defaults=False) if local else None
+        self.manager = TaskManager(include_path=str(local), include_defaults=False, metadata=self.metadata) if local else None
         if self.manager is None or not set(self.tasks) <= set(self.manager.all_tasks):
-            self.manager = TaskManager(include_path=str(local) if local else None)
+            self.manager = TaskManager(include_path=str(local) if local else None, metadata=self.metadata)
         known = self.manager.all_tasks
         for name in self.tasks:
             if name not in known:
