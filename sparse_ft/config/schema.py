@@ -56,6 +56,10 @@ class DataSection:
     cache_dir: str = ".cache/sparse-ft/data"
     streaming: bool = False
     max_documents: Optional[int] = None
+    # blocks: documents joined with EOS and cut into samples, attending across documents;
+    # padding_free: the same samples, positions restarting after each EOS, so that every
+    # document attends to itself alone, with its own pattern (sparse_ft/data/packing.py)
+    packing: str = "blocks"
 
 
 @dataclass
@@ -110,6 +114,7 @@ CHOICES = {
     "model.dtype": DTYPE_NAMES,
     "model.rope_method": tuple(ROPE_METHODS),
     "attention.backend": (None, "auto", "sdpa", "flash", "flex"),
+    "data.packing": ("blocks", "padding_free"),
     "train.scheduler": ("constant", "linear", "cosine"),
     "train.weight_decay_on": ("all", "matrices"),
 }
@@ -123,7 +128,7 @@ RESUME_KEYS = ("model.name_or_path", "model.dtype", "model.target_length", "mode
                "attention.pattern", "attention.params", "attention.backend",
                "lora.r", "lora.alpha", "lora.dropout", "lora.target_modules", "lora.extra_trainable",
                "data.source", "data.split", "data.text_column", "data.min_tokens", "data.seq_len", "data.streaming",
-               "data.max_documents", "train.seed", "train.lr", "train.betas", "train.weight_decay", "train.weight_decay_on",
+               "data.max_documents", "data.packing", "train.seed", "train.lr", "train.betas", "train.weight_decay", "train.weight_decay_on",
                "train.scheduler", "train.min_lr_ratio", "train.warmup_steps", "train.max_steps", "train.num_epochs",
                "train.per_device_batch_size", "train.gradient_accumulation_steps", "train.sequence_parallel_size",
                "train.max_grad_norm")
@@ -304,6 +309,9 @@ def _check_sequence_parallel(recipe: Recipe) -> None:
         fail("train.sequence_parallel_size", sp, "> 1 needs DeepSpeed (Ulysses is DeepSpeed's): set deepspeed to a config in ds_configs/")
     if recipe.seq_len % sp:
         fail("train.sequence_parallel_size", sp, f"must divide the sequence length data.seq_len={recipe.seq_len} (each rank holds seq_len / sp tokens)")
+    if recipe.data.packing == "padding_free":
+        fail("train.sequence_parallel_size", sp, "> 1 needs data.packing=blocks (a rank sees its shard's positions only, "
+             "not where the documents restart)")
 
 
 def check_sequence_parallel(sp: int, world_size: int, heads: int, kv_heads: int) -> None:
