@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from helpers_train import common, one_thread  # noqa: F401
-from sparse_ft import use_attention
+from sparse_ft import methods, use_attention
 from sparse_ft.methods.sequences import find_spans
 from test_attention_integration import NAMES, build, ids_of, pattern_of
 
@@ -170,3 +170,68 @@ def test_the_trainer_trains_padding_free(tmp_path, common, monkeypatch):
                                          "train.gradient_accumulation_steps=1"]))
     assert len(summary["history"]) == 2 and all(math.isfinite(r["loss"]) for r in summary["history"])
     assert max(documents) > 1
+
+
+def _flash_attn_varlen_func_as_documented(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                                          causal=False, softmax_scale=None, **kwargs):
+    """flash-attn's flash_attn_varlen_func semantics from its README: (total, heads, dim)
+    tokens of sequences laid end to end at cu_seqlens, fewer K/V heads allowed, causal inside
+    each sequence only."""
+    assert cu_seqlens_q.dtype == torch.int32 and int(max_seqlen_q) == int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    groups = q.shape[1] // k.shape[1]
+    out = torch.empty_like(q)
+    for lo, hi in zip(cu_seqlens_q[:-1].tolist(), cu_seqlens_q[1:].tolist()):
+        keys, values = (x[lo:hi].repeat_interleave(groups, dim=1) for x in (k, v))
+        scores = torch.einsum("ihd,jhd->hij", q[lo:hi], keys) * softmax_scale
+        visible = torch.ones(hi - lo, hi - lo, dtype=torch.bool).tril() if causal else torch.ones(hi - lo, hi - lo, dtype=torch.bool)
+        out[lo:hi] = torch.einsum("hij,jhd->ihd", scores.masked_fill(~visible, float("-inf")).softmax(-1), values)
+    return out
+
+
+def test_causal_on_flash_runs_packed_documents_in_one_varlen_call(model, monkeypatch):
+    """On CUDA the pattern ``causal`` with backend flash computes a packed row with flash-attn's
+    varlen kernel, one call per layer; here through a stand-in with its documented semantics."""
+    import sys
+    import types
+
+    from attn_patterns import patterns
+
+    calls = []
+
+    def varlen(*args, **kwargs):
+        calls.append(args[3].tolist())
+        return _flash_attn_varlen_func_as_documented(*args, **kwargs)
+
+    monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_varlen_func=varlen))
+    monkeypatch.setattr(patterns, "resolve_backend", lambda backend, q: backend or "sdpa")  # CPU tensors pass
+    use_attention(model, "causal", backend="flash")
+    ids = ids_of((1, sum(LENGTHS)))
+    with torch.no_grad():
+        packed = model(ids, position_ids=restarting(LENGTHS)).logits[0]
+    assert calls == [cu_seq_lens(LENGTHS).tolist()] * model.config.num_hidden_layers
+    use_attention(model, "causal")
+    with torch.no_grad():
+        alone = torch.cat([model(part[None]).logits[0] for part in ids[0].split(LENGTHS)])
+    torch.testing.assert_close(packed, alone, atol=2e-5, rtol=1e-5)
+    use_attention(model, "full")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", NAMES)
+def test_packed_documents_on_cuda_equal_each_document_alone(name):
+    """On the GPU in bf16 (flash-attn's varlen kernel for ``causal`` with backend flash where
+    installed): every pattern and algorithm, a packed row against each document alone."""
+    model = build("qwen2").cuda().to(torch.bfloat16)
+    backend = {"backend": "flash"} if name == "causal" and _flash_installed() else {}
+    use_attention(model, pattern_of(name) if not backend else methods.get(name, **backend))
+    ids = ids_of((1, sum(LENGTHS))).cuda()
+    with torch.no_grad():
+        packed = model(ids, position_ids=restarting(LENGTHS).cuda()).logits[0].float()
+        alone = torch.cat([model(part[None]).logits[0].float() for part in ids[0].split(LENGTHS)])
+    torch.testing.assert_close(packed, alone, atol=3e-2, rtol=3e-2)
+
+
+def _flash_installed() -> bool:
+    from attn_patterns.kernels import flash_available
+
+    return flash_available()

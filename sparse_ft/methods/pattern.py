@@ -18,7 +18,7 @@ from attn_patterns import Pattern
 from attn_patterns.kernels import BACKENDS
 from sparse_ft.modeling.families import geometry
 from sparse_ft.methods.base import Method, Supports, register
-from sparse_ft.methods.sequences import find_spans, per_span
+from sparse_ft.methods.sequences import find_spans, packed_call, per_span
 
 
 class PatternMethod(Method):
@@ -69,7 +69,11 @@ class PatternMethod(Method):
         d = query.shape[-1]
         if scaling is not None and not math.isclose(scaling, 1.0 / math.sqrt(d), rel_tol=1e-6):
             query = query * (scaling * math.sqrt(d))  # patterns use 1/sqrt(D)
-        out = per_span(lambda q, k, v, _: pattern(q, k, v), query, key, value, spans=spans)
+        kernel = None if spans is None else pattern.packed_kernel(query)
+        if kernel is not None:
+            out = packed_call(kernel, query, key, value, spans=spans)
+        else:
+            out = per_span(lambda q, k, v, _: pattern(q, k, v), query, key, value, spans=spans)
         return out.transpose(1, 2).contiguous(), None
 
 

@@ -63,7 +63,7 @@ def find_spans(real: Optional[torch.Tensor], kwargs: Mapping[str, Any], *, batch
             raise ValueError(f"{owner}: cu_seq_lens (packed documents) while decoding {q_len} queries against a KV cache "
                              f"of {kv_len} keys; packed rows are for training and scoring, not generation")
         _mark_cu_seq_lens(starts, cu_seq_lens, owner)
-    # under sequence parallelism a rank holds its shard's positions for the whole sequence: not these keys'
+    # positions of another length are not these keys' (a sequence-parallel shard's, before DeepSpeed gathers them)
     if positions is not None and q_len == kv_len and positions.shape[-1] == kv_len and kv_len > 1:
         starts[:, 1:] |= (positions[..., 1:] - positions[..., :-1] != 1).expand(batch, -1)
     if real is None:
@@ -138,6 +138,18 @@ def per_span(attend: Attend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         part = attend(q[rows, :, query_index].transpose(1, 2), k[rows, :, key_index].transpose(1, 2),
                       v[rows, :, key_index].transpose(1, 2), tuple(members))
         out[rows, query_index] = part.transpose(1, 2)
+    return out.transpose(1, 2)
+
+
+def packed_call(kernel: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                spans: Spans) -> torch.Tensor:
+    """``kernel(q, k, v, lengths=...)`` on every sequence's tokens laid end to end (T,H,D),
+    one call (a varlen kernel), for a call whose queries are its keys: (B,H,N,D), 0 on
+    padding. The tokens' order is the spans' (row by row), so the lengths line up."""
+    b, h, n, d = q.shape
+    tokens = [x.transpose(1, 2)[spans.real] for x in (q, k, v)]
+    out = q.new_zeros(b, n, h, d)
+    out[spans.real] = kernel(*tokens, lengths=spans.lengths)
     return out.transpose(1, 2)
 
 
