@@ -235,3 +235,15 @@ def _flash_installed() -> bool:
     from attn_patterns.kernels import flash_available
 
     return flash_available()
+
+
+@pytest.mark.parametrize("name", ["scca_flow", "dca", "longheads"])
+def test_packed_documents_under_autocast(model, name):
+    """Trainers run the model under autocast: fp32 q/k/v, kernels computing in bf16."""
+    use_attention(model, pattern_of(name))
+    ids = ids_of((1, sum(LENGTHS)))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        packed = model(ids, position_ids=restarting(LENGTHS)).logits[0].float()
+        alone = torch.cat([model(part[None]).logits[0].float() for part in ids[0].split(LENGTHS)])
+    torch.testing.assert_close(packed, alone, atol=3e-2, rtol=3e-2)
+    use_attention(model, "full")

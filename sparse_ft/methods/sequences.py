@@ -122,22 +122,24 @@ def per_span(attend: Attend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         queries = begin + length - max(begin, first_query)
         if queries > 0:
             groups.setdefault((length, queries), []).append((row, begin))
-    out = q.new_zeros(b, nq, h, d)
+    placed: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # rows, query columns, (G,Lq,H,D)
     for (length, queries), members in sorted(groups.items()):
-        if len(members) == 1:
-            (row, begin), = members
-            keys = slice(begin, begin + length)
-            part = attend(q[row : row + 1, :, keys.stop - queries - first_query : keys.stop - first_query],
-                          k[row : row + 1, :, keys], v[row : row + 1, :, keys], tuple(members))
-            out[row, keys.stop - queries - first_query : keys.stop - first_query] = part[0].transpose(0, 1)
-            continue
+        begins = torch.tensor([begin for _, begin in members], device=q.device)[:, None]
         rows = torch.tensor([row for row, _ in members], device=q.device)[:, None]
-        key_index = torch.tensor([begin for _, begin in members], device=q.device)[:, None] + torch.arange(
-            length, device=q.device)
-        query_index = key_index[:, length - queries :] - first_query
-        part = attend(q[rows, :, query_index].transpose(1, 2), k[rows, :, key_index].transpose(1, 2),
-                      v[rows, :, key_index].transpose(1, 2), tuple(members))
-        out[rows, query_index] = part.transpose(1, 2)
+        query_index = begins + torch.arange(length - queries, length, device=q.device) - first_query
+        if len(members) == 1:  # views of its row, no copy
+            (row, begin), = members
+            keys, asked = slice(begin, begin + length), slice(begin + length - queries - first_query, begin + length - first_query)
+            part = attend(q[row : row + 1, :, asked], k[row : row + 1, :, keys], v[row : row + 1, :, keys], tuple(members))
+        else:
+            key_index = begins + torch.arange(length, device=q.device)
+            part = attend(q[rows, :, query_index].transpose(1, 2), k[rows, :, key_index].transpose(1, 2),
+                          v[rows, :, key_index].transpose(1, 2), tuple(members))
+        placed.append((rows, query_index, part.transpose(1, 2)))
+    # the kernels' dtype, which autocast may make other than q's
+    out = placed[0][2].new_zeros(b, nq, h, d) if placed else q.new_zeros(b, nq, h, d)
+    for rows, query_index, part in placed:
+        out[rows, query_index] = part
     return out.transpose(1, 2)
 
 
@@ -148,8 +150,9 @@ def packed_call(kernel: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.T
     padding. The tokens' order is the spans' (row by row), so the lengths line up."""
     b, h, n, d = q.shape
     tokens = [x.transpose(1, 2)[spans.real] for x in (q, k, v)]
-    out = q.new_zeros(b, n, h, d)
-    out[spans.real] = kernel(*tokens, lengths=spans.lengths)
+    computed = kernel(*tokens, lengths=spans.lengths)
+    out = computed.new_zeros(b, n, h, d)  # the kernel's dtype, which autocast may make other than q's
+    out[spans.real] = computed
     return out.transpose(1, 2)
 
 
