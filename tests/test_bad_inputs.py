@@ -101,9 +101,6 @@ CASES = {
     "sequence parallelism not dividing the sequence": (
         ["deepspeed=zero3_cpu_fp32", "train.sequence_parallel_size=2", "data.seq_len=511"], None,
         r"train.sequence_parallel_size=2 is invalid: must divide the sequence length data.seq_len=511"),
-    "padding-free packing under sequence parallelism": (
-        ["deepspeed=zero3_cpu_fp32", "train.sequence_parallel_size=2", "data.packing=padding_free"], None,
-        r"train.sequence_parallel_size=2 is invalid: > 1 needs data.packing=blocks \(the sequence-parallel data path"),
     "unknown packing": (
         ["data.packing=tight"], None, r"recipe key data.packing='tight' is invalid: allowed: blocks, padding_free"),
     "sequence parallelism not dividing the heads": (

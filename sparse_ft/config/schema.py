@@ -309,9 +309,6 @@ def _check_sequence_parallel(recipe: Recipe) -> None:
         fail("train.sequence_parallel_size", sp, "> 1 needs DeepSpeed (Ulysses is DeepSpeed's): set deepspeed to a config in ds_configs/")
     if recipe.seq_len % sp:
         fail("train.sequence_parallel_size", sp, f"must divide the sequence length data.seq_len={recipe.seq_len} (each rank holds seq_len / sp tokens)")
-    if recipe.data.packing == "padding_free":
-        fail("train.sequence_parallel_size", sp, "> 1 needs data.packing=blocks (the sequence-parallel data path "
-             "numbers positions 0..N-1 itself, so documents would attend across each other)")
 
 
 def check_sequence_parallel(sp: int, world_size: int, heads: int, kv_heads: int) -> None:

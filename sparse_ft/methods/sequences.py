@@ -55,9 +55,9 @@ def find_spans(real: Optional[torch.Tensor], kwargs: Mapping[str, Any], *, batch
     ``cu_seq_lens_k`` (offsets into the rows laid end to end, as flash-attention's varlen
     kernels take them); both only where the call sees every key, not while decoding. A
     sequence's real tokens must be contiguous."""
-    device = (real if real is not None else kwargs.get("position_ids", torch.empty(0))).device
-    starts = torch.zeros(batch, kv_len, dtype=torch.bool, device=device)
     positions, cu_seq_lens = kwargs.get("position_ids"), kwargs.get("cu_seq_lens_k", kwargs.get("cu_seq_lens_q"))
+    device = next((x.device for x in (real, positions, cu_seq_lens) if x is not None), torch.device("cpu"))
+    starts = torch.zeros(batch, kv_len, dtype=torch.bool, device=device)
     if cu_seq_lens is not None:
         if q_len != kv_len:
             raise ValueError(f"{owner}: cu_seq_lens (packed documents) while decoding {q_len} queries against a KV cache "
