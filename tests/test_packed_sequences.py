@@ -111,32 +111,29 @@ def test_padding_inside_a_document_is_refused():
         model(ids, attention_mask=holes)
 
 
-def test_transformers_flattening_collator_trains_through_a_pattern():
+def test_transformers_flattening_collator_trains_through_a_pattern(tmp_path):
     """transformers' DataCollatorWithFlattening (what TRL's padding_free builds on) with
     ``use_attention(model, "scca_flow")``: the packed loss is the documents' losses alone,
-    token-weighted, and a few optimizer steps lower it."""
-    from transformers import DataCollatorWithFlattening
+    token-weighted, and transformers' Trainer with gradient checkpointing lowers it."""
+    from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
 
     model = use_attention(build("llama"), "scca_flow").train()
-    documents = [ids_of((n,), seed) for seed, n in enumerate([37, 5, 64, 1, 19])]
+    documents = [{"input_ids": ids_of((n,), seed).tolist()} for seed, n in enumerate([37, 5, 64, 1, 19])]
     for flash_kwargs in (False, True):  # position ids alone, or with cu_seq_lens
-        batch = DataCollatorWithFlattening(return_flash_attn_kwargs=flash_kwargs)(
-            [{"input_ids": doc.tolist()} for doc in documents])
+        batch = DataCollatorWithFlattening(return_flash_attn_kwargs=flash_kwargs)(documents)
         assert ("cu_seq_lens_q" in batch) == flash_kwargs
         with torch.no_grad():
             packed = model(**batch).loss
-            alone = [(model(input_ids=doc[None], labels=doc[None]).loss, len(doc) - 1) for doc in documents if len(doc) > 1]
+            alone = [(model(input_ids=torch.tensor([d["input_ids"]]), labels=torch.tensor([d["input_ids"]])).loss,
+                      len(d["input_ids"]) - 1) for d in documents if len(d["input_ids"]) > 1]
         torch.testing.assert_close(packed, sum(loss * n for loss, n in alone) / sum(n for _, n in alone),
                                    atol=1e-5, rtol=1e-5)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    losses = []
-    for _ in range(4):
-        loss = model(**batch).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    assert losses[-1] < losses[0]
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=5, learning_rate=1e-3,
+                             logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, gradient_checkpointing=True)
+    trainer = Trainer(model=model, args=args, train_dataset=documents, data_collator=DataCollatorWithFlattening())
+    trainer.train()
+    losses = [record["loss"] for record in trainer.state.log_history if "loss" in record]
+    assert len(losses) == 4 and losses[-1] < losses[0]
 
 
 def test_padding_free_samples_restart_positions_after_each_eos():
