@@ -8,7 +8,8 @@ documents (padding-free packing: position ids that restart at each document, as 
 from the sequence's start and nothing may attend across documents. The cheapest exact way is
 to cut the rows at those boundaries and run the kernel on each sequence at its own length,
 sequences of equal length batched together: the kernel's own memory (O(N·chunk)), never an
-N×N mask, and each sequence's output is the one it gets alone, bit for bit.
+N×N mask, and each sequence's output is the one it gets alone (up to the rounding of a
+batched kernel call), whatever the other sequences hold.
 """
 
 from __future__ import annotations
