@@ -101,6 +101,8 @@ CASES = {
     "sequence parallelism not dividing the sequence": (
         ["deepspeed=zero3_cpu_fp32", "train.sequence_parallel_size=2", "data.seq_len=511"], None,
         r"train.sequence_parallel_size=2 is invalid: must divide the sequence length data.seq_len=511"),
+    "unknown packing": (
+        ["data.packing=tight"], None, r"recipe key data.packing='tight' is invalid: allowed: blocks, padding_free"),
     "sequence parallelism not dividing the heads": (
         ["deepspeed=zero3_cpu_fp32", "train.sequence_parallel_size=16"], None,
         r"train.sequence_parallel_size=16 is invalid: must divide the model's num_attention_heads=8"),

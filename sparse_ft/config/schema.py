@@ -56,6 +56,10 @@ class DataSection:
     cache_dir: str = ".cache/sparse-ft/data"
     streaming: bool = False
     max_documents: Optional[int] = None
+    # blocks: documents joined with EOS and cut into samples, attending across documents;
+    # padding_free: the same samples, positions restarting after each EOS, so that every
+    # document attends to itself alone, with its own pattern (sparse_ft/data/packing.py)
+    packing: str = "blocks"
 
 
 @dataclass
@@ -110,6 +114,7 @@ CHOICES = {
     "model.dtype": DTYPE_NAMES,
     "model.rope_method": tuple(ROPE_METHODS),
     "attention.backend": (None, "auto", "sdpa", "flash", "flex"),
+    "data.packing": ("blocks", "padding_free"),
     "train.scheduler": ("constant", "linear", "cosine"),
     "train.weight_decay_on": ("all", "matrices"),
 }
@@ -123,7 +128,7 @@ RESUME_KEYS = ("model.name_or_path", "model.dtype", "model.target_length", "mode
                "attention.pattern", "attention.params", "attention.backend",
                "lora.r", "lora.alpha", "lora.dropout", "lora.target_modules", "lora.extra_trainable",
                "data.source", "data.split", "data.text_column", "data.min_tokens", "data.seq_len", "data.streaming",
-               "data.max_documents", "train.seed", "train.lr", "train.betas", "train.weight_decay", "train.weight_decay_on",
+               "data.max_documents", "data.packing", "train.seed", "train.lr", "train.betas", "train.weight_decay", "train.weight_decay_on",
                "train.scheduler", "train.min_lr_ratio", "train.warmup_steps", "train.max_steps", "train.num_epochs",
                "train.per_device_batch_size", "train.gradient_accumulation_steps", "train.sequence_parallel_size",
                "train.max_grad_norm")
