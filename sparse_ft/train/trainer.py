@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from sparse_ft.config import Recipe, format_recipe, save_resolved
+from sparse_ft import console
+from sparse_ft.config import Recipe, format_recipe, save_resolved, summarize_recipe
 from sparse_ft.data.packing import build_train_dataset
 from sparse_ft.modeling.model_io import load_tokenizer, materialize_tiny
 from sparse_ft.files.outputs import RunLock
@@ -174,7 +175,8 @@ class Trainer:
         self.steps = total_steps(self.recipe, self.order, self.position, self.start)
         if self.rank == 0:  # the run is on: a resume refused until here leaves the directory as it was
             save_resolved(self.recipe, self.out)
-            print(f"recipe {self.recipe.name}:\n{format_recipe(self.recipe)}", flush=True)
+            console.say(summarize_recipe(self.recipe, self.steps, len(self.dataset)))
+            console.say(format_recipe(self.recipe), console.VERBOSE)
 
     def resume_position(self) -> tuple[int, DataPosition]:
         """The step and data position the run continues from: the checkpoint's, once its
@@ -227,8 +229,8 @@ class Trainer:
             meta = checkpoint.load_checkpoint(self.engine, self.resume_from)
             self.history, restored = meta["history"], self.rank < meta["world_size"]
             if self.rank == 0:
-                print(f"resumed from {self.resume_from} at step {self.start} (epoch {self.position.epoch}, after "
-                      f"{self.position.consumed} of its {self.order.size} samples)", flush=True)
+                console.say(f"resumed from {self.resume_from} at step {self.start} (epoch {self.position.epoch}, after "
+                            f"{self.position.consumed} of its {self.order.size} samples)")
         if not restored:  # dropout differs across ranks, reproducibly (a rank the checkpoint's run lacked starts afresh)
             torch.manual_seed(self.recipe.train.seed + 1000 * self.rank)
 
@@ -332,7 +334,7 @@ class Trainer:
         adapter_dir = save_adapter(self.engine, self.out / run_directory.ADAPTER, self.adapter_meta(), tokenizer=self.tokenizer)
         summary = self.summary({"adapter": str(adapter_dir)})
         if self.rank == 0:
-            print(f"adapter saved to {adapter_dir}", flush=True)
+            console.say(f"adapter saved to {adapter_dir}")
         return summary
 
     def summary(self, saved: dict) -> dict:
