@@ -90,6 +90,8 @@ class TrainSection:
     overwrite_output_dir: bool = False
     resume_allow_changes: list[str] = field(default_factory=list)  # RESUME_KEYS (or world_size) a resume may find changed
     report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
+    # W&B's project, entity, name, group, tags: each key given wins over its WANDB_* variable (metrics.py)
+    wandb: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -122,6 +124,7 @@ POSITIVE = {"model.target_length", "lora.r", "lora.alpha", "train.per_device_bat
             "train.gradient_accumulation_steps", "train.sequence_parallel_size", "train.save_steps", "train.log_steps", "train.num_epochs"}
 NON_NEGATIVE = {"train.warmup_steps", "train.weight_decay", "data.min_tokens"}
 REPORTERS = ("tensorboard", "wandb", "none")
+WANDB_KEYS = {"project": str, "entity": str, "name": str, "group": str, "tags": list}  # train.wandb
 # What a resume must find as the checkpoint recorded it (the model, its adapters and attention, the
 # data and its order, the optimizer and its schedule): a change would continue another run.
 RESUME_KEYS = ("model.name_or_path", "model.dtype", "model.target_length", "model.rope_method", "model.tiny",
@@ -186,6 +189,9 @@ def validate(recipe: Recipe) -> None:
     for reporter in train.report_to:
         if reporter not in REPORTERS:
             fail("train.report_to", train.report_to, f"entries allowed: {', '.join(REPORTERS)}")
+    for key, value in train.wandb.items():
+        if key not in WANDB_KEYS or not isinstance(value, WANDB_KEYS[key]) or (key == "tags" and not all(isinstance(t, str) for t in value)):
+            fail(f"train.wandb.{key}", value, "keys allowed: project, entity, name, group (each a string), tags (a list of strings)")
     _check_output_dir(recipe)
     if not 0 <= recipe.lora.dropout < 1:
         fail("lora.dropout", recipe.lora.dropout, "must be in [0, 1)")
@@ -348,7 +354,7 @@ def _check_deepspeed(recipe: Recipe, config: dict) -> None:
 def _flatten(data: dict, prefix: str = "") -> dict:
     out = {}
     for key, value in data.items():
-        if isinstance(value, dict) and key not in ("params", "tiny"):
+        if isinstance(value, dict) and key not in ("params", "tiny", "wandb"):
             out.update(_flatten(value, f"{prefix}{key}."))
         else:
             out[prefix + key] = value

@@ -21,6 +21,7 @@ from sparse_ft.methods import Method
 from sparse_ft.modeling.model_io import is_repo_id, load_tokenizer
 from sparse_ft.modeling.weight_files import model_files
 from sparse_ft.train import checkpoint
+from sparse_ft.train.metrics import check_trackers
 from sparse_ft.modeling.tiny import is_built_in, tiny_llama_config, tiny_tokenizer
 
 
@@ -42,8 +43,9 @@ def preflight(recipe: Recipe, method: Method) -> None:
 
 def check_model(recipe: Recipe, method: Method):
     """The checks of :func:`preflight` that any training of the recipe's model needs, adapters
-    and data aside: the checkpoint to resume, the backend, the model's config and heads.
-    Returns the model's config."""
+    and data aside: the trackers, the checkpoint to resume, the backend, the model's config and
+    heads. Returns the model's config."""
+    check_trackers(recipe.train.report_to)
     if recipe.train.resume not in ("auto", "never"):
         checkpoint.named_checkpoint(recipe.train.resume)
     att = recipe.attention

@@ -240,7 +240,7 @@ class Trainer:
         the adapter resumes there). After each step the ranks agree whether to stop: a stop
         signal saves a checkpoint first, a non-finite step saves nothing."""
         t = self.recipe.train
-        self.log = MetricLog(self.out, t.report_to, self.history) if self.rank == 0 else None
+        self.log = MetricLog(self.out, t.report_to, self.history, self.recipe) if self.rank == 0 else None
         self.batches = self.micro_batches()
         clock = SaveClock(t.save_minutes)
         self.signals.deferred = True
