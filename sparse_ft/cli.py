@@ -52,7 +52,7 @@ def add_verbosity(parser: argparse.ArgumentParser, default: object = console.NOR
     ``sparse-ft -q train`` and ``sparse-ft train -q`` mean the same."""
     group = parser.add_mutually_exclusive_group()
     group.add_argument("-q", "--quiet", dest="verbosity", action="store_const", const=console.QUIET, default=default,
-                       help="results and errors only: no run summary, no progress bars")
+                       help="results, warnings and errors only: no run summary, no progress bars")
     group.add_argument("-v", "--verbose", dest="verbosity", action="store_const", const=console.VERBOSE, default=default,
                        help="also the full resolved recipe of a run, and every library warning (none filtered)")
 

@@ -52,7 +52,7 @@ def quiet_library_warnings() -> None:
 
 
 def set_verbosity(level: int) -> None:
-    """``QUIET``: results and errors only, no progress bars (tqdm's own ``TQDM_DISABLE``, which
+    """``QUIET``: results, warnings and errors only, no progress bars (tqdm's own ``TQDM_DISABLE``, which
     the libraries' bars read too); ``NORMAL``: also a short summary of each run and progress
     bars; ``VERBOSE``: also the full resolved recipe, and no library warning filtered."""
     global _level
