@@ -33,7 +33,9 @@ def overrides(out, cache, *extra):
 
 
 def losses(out):
-    return [json.loads(line)["loss"] for line in (Path(out) / "log.jsonl").read_text().splitlines()]
+    """The training steps' losses in log.jsonl (validation lines, which have a ``kind``, aside)."""
+    records = [json.loads(line) for line in (Path(out) / "log.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in records if "kind" not in r]
 
 
 def curve(summary):

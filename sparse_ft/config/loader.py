@@ -34,6 +34,7 @@ PATH_KEYS = {
     ("model", "name_or_path"): (),
     ("data", "source"): (".jsonl", ".json", ".parquet", ".txt"),  # what sparse_ft.data.sources reads
     ("deepspeed",): (".json",),
+    ("validation", "data"): (".jsonl", ".json", ".parquet", ".txt", ".bin"),  # what eval ppl --data reads
 }
 
 
