@@ -110,3 +110,42 @@ def test_metrics_name_task_metric_and_length():
     ruler = [{"task": "vt", "length": 512, "score": 40.0}, {"task": "cwe", "length": 512, "score": 60.0}]
     assert metrics("ruler", ruler) == {"val/vt/score@512": 40.0, "val/cwe/score@512": 60.0, "val/ruler/score@512": 50.0}
     assert metrics("vt", ruler[:1]) == {"val/vt/score@512": 40.0}
+
+
+def test_a_ruler_task_validates_through_the_suite_and_the_model_is_left_training(held_out):
+    """A RULER task by name (a single needle in noise, two samples) runs as the suite of that
+    task alone; afterwards the model trains again, through its training pattern."""
+    from contextlib import nullcontext
+
+    from sparse_ft.modeling.attention import pretrained
+    from sparse_ft.modeling.tiny import tiny_llama, tiny_tokenizer
+    from sparse_ft.train.model_setup import training_method, train_through
+    from sparse_ft.train.validation import Validation
+
+    recipe = load_recipe("tiny", ["deepspeed=null", "validation.at_end=true", "validation.tasks=[niah_single_1]",
+                                  "validation.params={niah_single_1: {samples: 2}}", "validation.lengths=[600]"])
+    method = training_method(recipe)
+    model = train_through(tiny_llama(), method, gradient_checkpointing=False).train()
+    (record,) = Validation(recipe, tiny_tokenizer(), method).run(model, nullcontext(), step=3)
+    assert record["step"] == 3 and record["task"] == "niah_single_1"
+    assert list(record["metrics"]) == ["val/niah_single_1/score@600"] and record["rows"][0]["samples"] == 2
+    assert 0 <= record["metrics"]["val/niah_single_1/score@600"] <= 100
+    assert model.training and pretrained(model).config._attn_implementation != "sdpa"
+
+
+def test_held_out_data_or_a_prompt_longer_than_the_validation_length_is_one_line(held_out):
+    from sparse_ft.config.schema import BadInput
+    from sparse_ft.modeling.tiny import tiny_tokenizer
+    from sparse_ft.train.model_setup import training_method
+    from sparse_ft.train.validation import Validation
+
+    recipe = load_recipe("tiny", ["deepspeed=null", "validation.at_end=true", f"validation.data={held_out}",
+                                  "validation.lengths=[100000]"])
+    with pytest.raises(BadInput, match=r"^recipe key validation.data='.*held_out.jsonl' is invalid: holds \d+ tokens, fewer "
+                                       r"than the longest validation length 100000; add data or lower validation.lengths$"):
+        Validation(recipe, tiny_tokenizer(), training_method(recipe))
+    recipe = load_recipe("tiny", ["deepspeed=null", "validation.at_end=true", "validation.tasks=[niah_single_1]",
+                                  "validation.lengths=[100]"])
+    with pytest.raises(BadInput, match=r"^recipe key validation.lengths=\[100\] is invalid: 100 is shorter than the shortest "
+                                       r"niah_single_1 prompt: \d+ tokens of this tokenizer"):
+        Validation(recipe, tiny_tokenizer(), training_method(recipe))

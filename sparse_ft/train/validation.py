@@ -29,12 +29,14 @@ from sparse_ft import methods
 from sparse_ft.config import Recipe
 from sparse_ft.config.schema import fail
 from sparse_ft.evaluation import tasks
-from sparse_ft.evaluation.tasks.generation import generation_tasks
+from sparse_ft.evaluation.tasks.generation import TooShort, generation_tasks
 from sparse_ft.methods import Method
 from sparse_ft.modeling.attention import use_attention
 
 KIND = "validation"  # the ``kind`` of its lines in log.jsonl (a training step's line has none)
 ZERO3_TASKS = ("ppl",)  # a fixed number of forwards on every rank, whatever the model answers
+PASSKEY_DEPTHS = [0.0, 0.25, 0.5, 0.75, 1.0]  # as `eval passkey` by default
+RULER_SUITE = ("samples", "seed", "haystack")  # a RULER task's parameters that are its suite's
 METRICS = ("ppl", "accuracy", "score")  # the number a task's row reports, by task kind
 
 
@@ -45,10 +47,11 @@ def lengths(recipe: Recipe) -> list[int]:
 
 def _task_params(recipe: Recipe, name: str, held_out: Any) -> dict:
     """What ``tasks.get`` builds task ``name`` from: the validation lengths, the held-out
-    tokens for ``ppl`` (stride as ``eval ppl`` takes it), then the recipe's own
+    tokens for ``ppl`` (stride as ``eval ppl`` takes it), passkey's depths as ``eval passkey``'s, then the recipe's own
     ``validation.params.NAME`` over them. A RULER task runs as the ``ruler`` suite of that
     task alone (a task's own command line is that too); the suite runs every RULER task
-    unless its params name some."""
+    unless its params name some; a RULER task's ``samples``, ``seed`` and ``haystack`` are
+    its suite's."""
     v = recipe.validation
     given = dict(v.params.get(name, {}))
     at = given.pop("lengths", None) or lengths(recipe)
@@ -56,10 +59,13 @@ def _task_params(recipe: Recipe, name: str, held_out: Any) -> dict:
         from sparse_ft.evaluation.tasks.perplexity import DEFAULT_STRIDE
 
         return {"lengths": at, "data": held_out, "stride": min(DEFAULT_STRIDE, *at), **given}
+    if name == "passkey":
+        return {"lengths": at, "depths": PASSKEY_DEPTHS, **given}
     if name == "ruler":
         return {"lengths": at, "tasks": generation_tasks(), **given}
     if name in generation_tasks():
-        return {"lengths": at, "tasks": [tasks.TASKS.get(name, **given)]}
+        suite = {key: given.pop(key) for key in RULER_SUITE if key in given}
+        return {"lengths": at, "tasks": [tasks.TASKS.get(name, **given)], **suite}
     return {"lengths": at, **given}
 
 
@@ -70,10 +76,9 @@ def build_tasks(recipe: Recipe, held_out: Any = "") -> dict[str, tasks.Task]:
     for name in recipe.validation.tasks:
         if name not in tasks.names():
             fail("validation.tasks", recipe.validation.tasks, f"entries allowed: {', '.join(tasks.names())}")
-        params = _task_params(recipe, name, held_out)
         runs_as = "ruler" if name in generation_tasks() else name
         try:
-            built[name] = tasks.get(runs_as, **params)
+            built[name] = tasks.get(runs_as, **_task_params(recipe, name, held_out))
         except (TypeError, ValueError) as err:
             fail(f"validation.params.{name}", recipe.validation.params.get(name, {}), str(err))
     return built
@@ -168,6 +173,8 @@ class Validation:
         for name, task in self.tasks.items():
             try:
                 task.prepare(tokenizer)
+            except TooShort as err:
+                fail("validation.lengths", lengths(recipe), str(err).replace("--lengths ", "", 1))
             except ValueError as err:
                 fail(f"validation.params.{name}", v.params.get(name, {}), str(err))
 
