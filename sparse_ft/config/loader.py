@@ -134,7 +134,7 @@ def _read(path: Path, seen: tuple = ()) -> dict:
     except yaml.YAMLError as err:
         raise ValueError(f"recipe {path} is not valid YAML: {_yaml_problem(err)}") from None
     if not isinstance(data, dict):
-        raise ValueError(f"recipe {path} must be a YAML mapping of sections (model, attention, lora, data, train, deepspeed)")
+        raise ValueError(f"recipe {path} must be a YAML mapping of sections (model, attention, lora, data, train, validation, deepspeed)")
     parent = data.pop("inherit", None)
     if parent is not None and (not isinstance(parent, str) or not parent):
         raise ValueError(f"recipe {path}: inherit={parent!r} must name one recipe (a name under recipes/ or a .yaml path)")

@@ -46,12 +46,12 @@ def lengths(recipe: Recipe) -> list[int]:
 
 
 def _task_params(recipe: Recipe, name: str, held_out: Any) -> dict:
-    """What ``tasks.get`` builds task ``name`` from: the validation lengths, the held-out
-    tokens for ``ppl`` (stride as ``eval ppl`` takes it), passkey's depths as ``eval passkey``'s, then the recipe's own
-    ``validation.params.NAME`` over them. A RULER task runs as the ``ruler`` suite of that
-    task alone (a task's own command line is that too); the suite runs every RULER task
-    unless its params name some; a RULER task's ``samples``, ``seed`` and ``haystack`` are
-    its suite's."""
+    """What ``tasks.get`` builds task ``name`` from: ``eval``'s defaults (the validation
+    lengths, the held-out tokens for ``ppl`` with ``eval ppl``'s stride, ``eval passkey``'s
+    depths), then the recipe's own ``validation.params.NAME`` over them. A RULER task runs as
+    the ``ruler`` suite of that task alone (its own command line is that too), and its
+    ``samples``, ``seed`` and ``haystack`` are the suite's; the suite runs every RULER task
+    unless its params name some."""
     v = recipe.validation
     given = dict(v.params.get(name, {}))
     at = given.pop("lengths", None) or lengths(recipe)
@@ -65,7 +65,7 @@ def _task_params(recipe: Recipe, name: str, held_out: Any) -> dict:
         return {"lengths": at, "tasks": generation_tasks(), **given}
     if name in generation_tasks():
         suite = {key: given.pop(key) for key in RULER_SUITE if key in given}
-        return {"lengths": at, "tasks": [tasks.TASKS.get(name, **given)], **suite}
+        return {"lengths": at, "tasks": [tasks.get(name, **given)], **suite}
     return {"lengths": at, **given}
 
 
