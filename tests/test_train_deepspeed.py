@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from helpers_train import assert_adapter_reproduces_probe, losses, overrides
+from helpers_train import assert_adapter_reproduces_probe, losses, overrides, write_held_out
 from sparse_ft.files.outputs import RUN_LOCK
 from sparse_ft.train import checkpoint
 
@@ -59,8 +59,7 @@ def zero3(tmp_path_factory):
     compared with it validate nothing: validation must not change the losses."""
     root = tmp_path_factory.mktemp("zero3")
     out, cache, held_out = root / "ds", root / "cache", root / "held_out.jsonl"
-    held_out.write_text("".join((ROOT / "data" / "tiny" / "train.jsonl").read_text().splitlines(keepends=True)[-4:]))
-    launch(out, cache, "validation.every_steps=2", f"validation.data={held_out}", "validation.params={ppl: {max_windows: 2}}")
+    launch(out, cache, "validation.every_steps=2", f"validation.data={write_held_out(held_out)}", "validation.params={ppl: {max_windows: 2}}")
     return out, cache, losses(out)
 
 

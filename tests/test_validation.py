@@ -11,21 +11,16 @@ import numpy as np
 import pytest
 import torch
 
-from helpers_train import SimulatedCrash, common, curve, losses, one_thread, reference  # noqa: F401
+from helpers_train import SimulatedCrash, common, curve, losses, one_thread, reference, write_held_out  # noqa: F401
 from sparse_ft.config import load_recipe
 from sparse_ft.train import checkpoint
 from sparse_ft.train.trainer import train
 from sparse_ft.train.validation import metrics, rng_untouched
 
-ROOT = Path(__file__).resolve().parent.parent
-
 
 @pytest.fixture(scope="module")
 def held_out(tmp_path_factory):
-    """Documents the run does not train on (the tiny corpus's last four)."""
-    path = tmp_path_factory.mktemp("held-out") / "held_out.jsonl"
-    path.write_text("".join((ROOT / "data" / "tiny" / "train.jsonl").read_text().splitlines(keepends=True)[-4:]))
-    return path
+    return write_held_out(tmp_path_factory.mktemp("held-out") / "held_out.jsonl")
 
 
 def validating(held_out, *extra):
