@@ -33,7 +33,8 @@ LAYERS = [
     [("sparse_ft.methods",)],
     [("sparse_ft.modeling.model_io",), ("sparse_ft.data",)],
     [("sparse_ft.config",)],
-    [("sparse_ft.evaluation",), ("sparse_ft.train",)],
+    [("sparse_ft.evaluation",)],
+    [("sparse_ft.train",)],  # validation during training runs the evaluation tasks
 ]
 
 

@@ -54,12 +54,12 @@ def test_recipe_keys_win_over_the_environment_which_wins_over_the_defaults(env):
 def test_the_run_gets_the_resolved_recipe_as_config_and_a_resume_continues_it(env, fake_wandb, tmp_path):
     calls, logged = fake_wandb
     recipe = load_recipe("tiny", ["train.wandb={project: mine}"])
-    log = MetricLog(tmp_path, ["wandb"], [], recipe)
+    log = MetricLog(tmp_path, ["wandb"], [], recipe=recipe)
     log.write({"step": 1, "loss": 2.0})
     log.close()
     assert calls[0]["project"] == "mine" and calls[0]["config"] == recipe.to_dict() and "id" not in calls[0]
     assert logged == [(1, {"train/loss": 2.0})] and (tmp_path / WANDB_ID_FILE).read_text() == "run1\n"
-    MetricLog(tmp_path, ["wandb"], [{"step": 1, "loss": 2.0}], recipe).close()
+    MetricLog(tmp_path, ["wandb"], [{"step": 1, "loss": 2.0}], recipe=recipe).close()
     assert calls[1]["id"] == "run1" and calls[1]["resume"] == "allow" and calls[1]["project"] == "mine"
     assert calls[1]["config"] == recipe.to_dict()
 
@@ -69,7 +69,7 @@ def test_tensorboard_writes_where_its_variable_says_with_the_recipe(env, tmp_pat
 
     env.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tb"))
     (tmp_path / "out").mkdir()
-    log = MetricLog(tmp_path / "out", ["tensorboard"], [], load_recipe("tiny"))
+    log = MetricLog(tmp_path / "out", ["tensorboard"], [], recipe=load_recipe("tiny"))
     log.write({"step": 1, "loss": 2.0})
     log.close()
     assert not (tmp_path / "out" / metrics.TENSORBOARD_DIR).exists()

@@ -34,6 +34,7 @@ PATH_KEYS = {
     ("model", "name_or_path"): (),
     ("data", "source"): (".jsonl", ".json", ".parquet", ".txt"),  # what sparse_ft.data.sources reads
     ("deepspeed",): (".json",),
+    ("validation", "data"): (".jsonl", ".json", ".parquet", ".txt", ".bin"),  # what eval ppl --data reads
 }
 
 
@@ -133,7 +134,7 @@ def _read(path: Path, seen: tuple = ()) -> dict:
     except yaml.YAMLError as err:
         raise ValueError(f"recipe {path} is not valid YAML: {_yaml_problem(err)}") from None
     if not isinstance(data, dict):
-        raise ValueError(f"recipe {path} must be a YAML mapping of sections (model, attention, lora, data, train, deepspeed)")
+        raise ValueError(f"recipe {path} must be a YAML mapping of sections (model, attention, lora, data, train, validation, deepspeed)")
     parent = data.pop("inherit", None)
     if parent is not None and (not isinstance(parent, str) or not parent):
         raise ValueError(f"recipe {path}: inherit={parent!r} must name one recipe (a name under recipes/ or a .yaml path)")

@@ -95,12 +95,28 @@ class TrainSection:
 
 
 @dataclass
+class ValidationSection:
+    """Evaluation while training (sparse_ft/train/validation.py); off unless every_steps or
+    at_end. It never changes training, so no key of it is a resume key."""
+
+    every_steps: int = 0  # validate after every N optimizer steps; 0: never during training
+    at_end: bool = False  # also after the last step
+    tasks: list[str] = field(default_factory=lambda: ["ppl"])  # names of sparse_ft.evaluation.tasks
+    params: dict = field(default_factory=dict)  # a task's parameters by its name, e.g. {passkey: {trials: 2}}
+    lengths: list[int] = field(default_factory=list)  # default: [model.target_length]
+    attention: str = "full"  # full: as the adapter is used after training; training: the run's pattern
+    data: Optional[str] = None  # held-out text/jsonl/parquet/.bin file or HF dataset id that ppl scores
+    split: str = "validation"  # of an HF dataset id
+
+
+@dataclass
 class Recipe:
     model: ModelSection = field(default_factory=ModelSection)
     attention: AttentionSection = field(default_factory=AttentionSection)
     lora: LoraSection = field(default_factory=LoraSection)
     data: DataSection = field(default_factory=DataSection)
     train: TrainSection = field(default_factory=TrainSection)
+    validation: ValidationSection = field(default_factory=ValidationSection)
     deepspeed: Optional[str] = None  # a file in ds_configs/ (name or path), or null
     name: str = ""  # set from the recipe file
 
@@ -119,10 +135,11 @@ CHOICES = {
     "data.packing": ("blocks", "padding_free"),
     "train.scheduler": ("constant", "linear", "cosine"),
     "train.weight_decay_on": ("all", "matrices"),
+    "validation.attention": ("full", "training"),
 }
 POSITIVE = {"model.target_length", "lora.r", "lora.alpha", "train.per_device_batch_size",
             "train.gradient_accumulation_steps", "train.sequence_parallel_size", "train.save_steps", "train.log_steps", "train.num_epochs"}
-NON_NEGATIVE = {"train.warmup_steps", "train.weight_decay", "data.min_tokens"}
+NON_NEGATIVE = {"train.warmup_steps", "train.weight_decay", "data.min_tokens", "validation.every_steps"}
 REPORTERS = ("tensorboard", "wandb", "none")
 WANDB_KEYS = {"project": str, "entity": str, "name": str, "group": str, "tags": list}  # train.wandb
 # What a resume must find as the checkpoint recorded it (the model, its adapters and attention, the
@@ -205,6 +222,7 @@ def validate(recipe: Recipe) -> None:
     _check_tiny(recipe.model)
     _check_attention(recipe)
     _check_sequence_parallel(recipe)
+    _check_validation(recipe)
     if recipe.deepspeed is not None:
         _check_deepspeed(recipe, read_deepspeed_config(recipe.deepspeed))
 
@@ -238,7 +256,8 @@ def _check_output_dir(recipe: Recipe) -> None:
              "or one holding it")
     try:
         model = None if is_built_in(recipe.model.name_or_path) else recipe.model.name_or_path
-        check_apart(Path(train.output_dir), "train.output_dir", {"data.source": recipe.data.source, "model.name_or_path": model})
+        check_apart(Path(train.output_dir), "train.output_dir", {"data.source": recipe.data.source, "model.name_or_path": model,
+                                                                  "validation.data": recipe.validation.data})
     except ValueError as err:
         raise BadInput(str(err)) from None
     if train.overwrite_output_dir and train.resume != "never":
@@ -315,6 +334,25 @@ def _check_sequence_parallel(recipe: Recipe) -> None:
         fail("train.sequence_parallel_size", sp, "> 1 needs DeepSpeed (Ulysses is DeepSpeed's): set deepspeed to a config in ds_configs/")
     if recipe.seq_len % sp:
         fail("train.sequence_parallel_size", sp, f"must divide the sequence length data.seq_len={recipe.seq_len} (each rank holds seq_len / sp tokens)")
+
+
+def _check_validation(recipe: Recipe) -> None:
+    """The validation section's own shape; its task names and parameters need the task
+    registry, a layer above recipes (sparse_ft/train/validation.py checks them)."""
+    v = recipe.validation
+    if not v.tasks or len(set(v.tasks)) < len(v.tasks):
+        fail("validation.tasks", v.tasks, "task names, at least one, each once (e.g. [ppl, passkey])")
+    if any(n < 1 for n in v.lengths):
+        fail("validation.lengths", v.lengths, "positive lengths in tokens, or [] for [model.target_length]")
+    for name, params in v.params.items():
+        if name not in v.tasks or not isinstance(params, dict):
+            fail(f"validation.params.{name}", params, f"a mapping of parameters of a task in validation.tasks ({', '.join(v.tasks)})")
+    if (v.every_steps or v.at_end) and "ppl" in v.tasks and v.data is None:
+        fail("validation.data", None, "the held-out data ppl scores: a text/jsonl/json/parquet file or directory, "
+             "a .bin token file, or an HF dataset id (with validation.split)")
+    if (v.every_steps or v.at_end) and recipe.train.sequence_parallel_size > 1:
+        fail("validation.every_steps" if v.every_steps else "validation.at_end", v.every_steps or v.at_end,
+             "validation does not run under sequence parallelism (train.sequence_parallel_size > 1) yet")
 
 
 def check_sequence_parallel(sp: int, world_size: int, heads: int, kv_heads: int) -> None:

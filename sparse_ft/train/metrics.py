@@ -100,10 +100,13 @@ def _tensorboard(output_dir: Path, resumed_at: int, recipe: Optional[Recipe]):
 
 
 class MetricLog:
-    def __init__(self, output_dir: Path, report_to: list[str], history: list[dict], recipe: Optional[Recipe] = None) -> None:
+    def __init__(self, output_dir: Path, report_to: list[str], history: list[dict], validations: list[dict] = (), *,
+                 recipe: Optional[Recipe] = None) -> None:
         self.path = output_dir / LOG_FILE
-        # a resumed run rewrites the log from the checkpoint: steps after it were never kept
-        self.path.write_text("".join(json.dumps(r) + "\n" for r in history))
+        # a resumed run rewrites the log from the checkpoint: steps after it were never kept;
+        # a step's validation lines (``kind``) follow its training line
+        lines = sorted([*history, *validations], key=lambda r: (r["step"], "kind" in r))
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in lines))
         self.tensorboard = self.wandb = None
         if "tensorboard" in report_to:
             self.tensorboard = _tensorboard(output_dir, len(history), recipe)
@@ -117,14 +120,22 @@ class MetricLog:
         TensorBoard / W&B (the recipe's log steps)."""
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
-        if not report:
-            return
-        scalars = {f"train/{k}": v for k, v in record.items() if k != "step"}
+        if report:
+            self._report({f"train/{k}": v for k, v in record.items() if k != "step"}, record["step"])
+
+    def write_validation(self, record: dict) -> None:
+        """A validation record (``kind``, ``step``, ``metrics`` named ``val/...``): a line in
+        the JSONL file, its metrics to every tracker at its step."""
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        self._report(record["metrics"], record["step"])
+
+    def _report(self, scalars: dict, step: int) -> None:
         if self.tensorboard is not None:
             for key, value in scalars.items():
-                self.tensorboard.add_scalar(key, value, record["step"])
+                self.tensorboard.add_scalar(key, value, step)
         if self.wandb is not None:
-            self.wandb.log(scalars, step=record["step"])
+            self.wandb.log(scalars, step=step)
 
     def close(self) -> None:
         if self.tensorboard is not None:
