@@ -49,10 +49,12 @@ def launch(out: Path, cache: Path, *extra: str, gpus: int = 2) -> subprocess.Com
 
 @pytest.fixture(scope="module")
 def zero3(tmp_path_factory):
-    """One uninterrupted two-process ZeRO-3 run: its directory, token cache and losses."""
+    """One uninterrupted two-process ZeRO-3 run: its directory, token cache and losses; the
+    loss's head runs over 96-token chunks (its partitioned weight gathered for each, forward
+    and backward)."""
     root = tmp_path_factory.mktemp("zero3")
     out, cache = root / "ds", root / "cache"
-    launch(out, cache)
+    launch(out, cache, "train.loss_chunk_tokens=96")
     return out, cache, losses(out)
 
 
@@ -81,6 +83,13 @@ def test_two_process_deepspeed_zero3_on_cpu_saves_a_complete_adapter_and_resumes
     assert f"resumed from {out / 'checkpoint-2'} at step 2" in done.stdout
     assert losses(out) == pytest.approx(first, abs=1e-5)
     assert_adapter_reproduces_probe(out)
+
+
+@pytest.mark.slow
+def test_zero3_chunked_loss_trains_as_the_models_own_loss(zero3, tmp_path):
+    out, cache, chunked = zero3
+    launch(tmp_path / "model_loss", cache, "train.loss=model")
+    assert losses(tmp_path / "model_loss") == pytest.approx(chunked, abs=1e-5)
 
 
 @pytest.mark.slow

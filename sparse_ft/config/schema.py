@@ -25,6 +25,7 @@ class ModelSection:
     target_length: int = 8192
     rope_method: str = "linear"
     trust_remote_code: bool = False
+    quantization: str = "none"  # nf4: a bitsandbytes 4-bit base under the adapters (QLoRA), docs/training.md
     tiny: dict = field(default_factory=dict)  # LlamaConfig overrides for name_or_path=tiny
 
 
@@ -73,6 +74,12 @@ class TrainSection:
     per_device_batch_size: int = 1
     gradient_accumulation_steps: int = 8
     gradient_checkpointing: bool = True
+    # memory (docs/training.md#memory): the loss's head over chunks of tokens, the checkpointed
+    # layer inputs in CPU memory, each MLP over tiles of the sequence (0: whole)
+    loss: str = "chunked"
+    loss_chunk_tokens: int = 2048
+    offload_activations: bool = False
+    mlp_tile_tokens: int = 0
     # DeepSpeed Ulysses: each sequence split over this many ranks, each attending with H/sp heads
     sequence_parallel_size: int = 1
     max_grad_norm: float = 1.0
@@ -109,17 +116,20 @@ class Recipe:
 CHOICES = {
     "model.dtype": DTYPE_NAMES,
     "model.rope_method": tuple(ROPE_METHODS),
+    "model.quantization": ("none", "nf4"),
+    "train.loss": ("chunked", "model"),
     "attention.backend": (None, "auto", "sdpa", "flash", "flex"),
     "train.scheduler": ("constant", "linear", "cosine"),
     "train.weight_decay_on": ("all", "matrices"),
 }
 POSITIVE = {"model.target_length", "lora.r", "lora.alpha", "train.per_device_batch_size",
-            "train.gradient_accumulation_steps", "train.sequence_parallel_size", "train.save_steps", "train.log_steps", "train.num_epochs"}
-NON_NEGATIVE = {"train.warmup_steps", "train.weight_decay", "data.min_tokens"}
+            "train.gradient_accumulation_steps", "train.sequence_parallel_size", "train.save_steps", "train.log_steps", "train.num_epochs",
+            "train.loss_chunk_tokens"}
+NON_NEGATIVE = {"train.warmup_steps", "train.weight_decay", "data.min_tokens", "train.mlp_tile_tokens"}
 REPORTERS = ("tensorboard", "wandb", "none")
 # What a resume must find as the checkpoint recorded it (the model, its adapters and attention, the
 # data and its order, the optimizer and its schedule): a change would continue another run.
-RESUME_KEYS = ("model.name_or_path", "model.dtype", "model.target_length", "model.rope_method", "model.tiny",
+RESUME_KEYS = ("model.name_or_path", "model.dtype", "model.quantization", "model.target_length", "model.rope_method", "model.tiny",
                "attention.pattern", "attention.params", "attention.backend",
                "lora.r", "lora.alpha", "lora.dropout", "lora.target_modules", "lora.extra_trainable",
                "data.source", "data.split", "data.text_column", "data.min_tokens", "data.seq_len", "data.streaming",
