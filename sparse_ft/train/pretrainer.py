@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from sparse_ft.config import Recipe
+from sparse_ft.config.schema import fail
 from sparse_ft.data.packing import TokenBlocks
 from sparse_ft.train.model_setup import load_base, train_through
 from sparse_ft.train.preflight import check_model
@@ -30,7 +31,10 @@ class Pretrainer(Trainer):
         self.blocks = blocks
 
     def preflight(self) -> None:
-        """The model's checks: there are no adapters to match, and the blocks are in memory."""
+        """The model's checks: there are no adapters to match, and the blocks are in memory.
+        Every weight trains, which a 4-bit base cannot."""
+        if self.recipe.model.quantization != "none":
+            fail("model.quantization", self.recipe.model.quantization, "pretraining trains every weight in full; use none")
         check_model(self.recipe, self.method)
 
     def load_dataset(self) -> torch.utils.data.Dataset:
