@@ -186,6 +186,9 @@ def validate(recipe: Recipe) -> None:
         fail("train.save_total_limit", train.save_total_limit, "must be >= 1 (checkpoints kept), or 0 to keep every checkpoint")
     if train.save_minutes < 0:
         fail("train.save_minutes", train.save_minutes, "must be > 0 (minutes between checkpoints by the clock), or 0 for none")
+    if train.offload_activations and not train.gradient_checkpointing:
+        fail("train.offload_activations", True, "offloads the layer inputs gradient checkpointing keeps; "
+             "set train.gradient_checkpointing=true")
     if len(train.betas) != 2 or not all(0 <= b < 1 for b in train.betas):
         fail("train.betas", train.betas, "two numbers in [0, 1)")
     for reporter in train.report_to:

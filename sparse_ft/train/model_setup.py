@@ -14,6 +14,7 @@ from sparse_ft.config import LoraSection, Recipe
 from sparse_ft.methods import Method
 from sparse_ft.modeling.model_io import DTYPES
 from sparse_ft.modeling.tiny import is_built_in
+from sparse_ft.train.activations import reduce_activation_memory
 
 BASE_DIR = "base-model"  # in train.output_dir: the built-in tiny model, written once as a checkpoint
 
@@ -46,8 +47,10 @@ def extended_config(path: str, target_length: int, method: str, trust_remote_cod
 
 
 def build_model(recipe: Recipe, path: str, method: Method, ds_config: Optional[dict] = None):
-    """Base model with position interpolation, LoRA+ and the training ``method``."""
-    return add_adapters(load_base(recipe, path, ds_config), recipe.lora, method, recipe.train.gradient_checkpointing)
+    """Base model with position interpolation, LoRA+ and the training ``method``, its
+    activations kept as the recipe's memory keys say."""
+    model = add_adapters(load_base(recipe, path, ds_config), recipe.lora, method, recipe.train.gradient_checkpointing)
+    return reduce_activation_memory(model, recipe.train)
 
 
 def load_base(recipe: Recipe, path: str, ds_config: Optional[dict] = None):
