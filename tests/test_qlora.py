@@ -92,3 +92,22 @@ def test_pretraining_a_quantized_base_is_refused(tmp_path):
     with pytest.raises(BadInput, match=r"^recipe key model.quantization='nf4' is invalid: pretraining trains every weight"):
         Pretrainer(recipe, np.zeros((4, 512), dtype=np.int64)).run()
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_qlora_on_two_deepspeed_zero2_ranks_saves_an_adapter_that_reloads_over_nf4(tmp_path):
+    from test_train_deepspeed import launch
+
+    out = tmp_path / "ds"
+    launch(out, tmp_path / "cache", "deepspeed=zero2_bf16", "model.dtype=bfloat16", "model.quantization=nf4")
+    summary = json.loads((out / "train_summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 4
+    assert all(0 < record["loss"] < 10 for record in summary["history"])
+    tensors = load_file(str(out / "adapter" / "adapter_model.safetensors"))
+    assert any("lora_A" in k for k in tensors) and all(t.numel() for t in tensors.values())
+    from sparse_ft.evaluation import loading
+
+    model, _ = loading.load(None, str(out / "adapter"), "bfloat16", load_in_4bit=True, compute_dtype="bfloat16",
+                            device="cpu", tokenizer=False)
+    with torch.no_grad():
+        assert torch.isfinite(model(input_ids=torch.arange(3, 67)[None]).logits).all()
