@@ -114,6 +114,7 @@ class ChunkedLoss:
         if fused is not None:
             return fused / tokens.clamp(min=1)
         total = flat.new_zeros((), dtype=torch.float32)
+        # no check of recomputed metadata: ZeRO-3 re-partitions the head's weight once a recomputed chunk is done
         for start in range(0, flat.shape[0], self.chunk_tokens):
             end = start + self.chunk_tokens
             total = total + checkpoint(partial(_chunk_loss_sum, head, transform), flat[start:end], labels[start:end],
