@@ -54,6 +54,18 @@ CUT_SHORT = [("model.safetensors", b"\x10\x00\x00\x00\x00\x00\x00\x00{}")]
 
 # overrides (DATA: the path the data column returns, else the test's directory), data, message
 CASES = {
+    "quantization unknown": (
+        ["model.quantization=nf8"], None, r"recipe key model.quantization='nf8' is invalid: allowed: none, nf4$"),
+    "nf4 under ZeRO-3": (
+        ["model.quantization=nf4", "deepspeed=zero3_cpu_fp32"], None,
+        r"recipe key model.quantization='nf4' is invalid: deepspeed config zero3_cpu_fp32 is ZeRO-3, .*; use a ZeRO-2 config"),
+    "loss unknown": (["train.loss=fused"], None, r"recipe key train.loss='fused' is invalid: allowed: chunked, model$"),
+    "offload without checkpointing": (
+        ["train.offload_activations=true", "train.gradient_checkpointing=false"], None,
+        r"recipe key train.offload_activations=True is invalid: offloads the layer inputs gradient checkpointing keeps; "
+        r"set train.gradient_checkpointing=true$"),
+    "mlp tiles negative": (["train.mlp_tile_tokens=-1"], None, r"recipe key train.mlp_tile_tokens=-1 is invalid: must be >= 0$"),
+    "loss chunk of no tokens": (["train.loss_chunk_tokens=0"], None, r"recipe key train.loss_chunk_tokens=0 is invalid: must be >= 1$"),
     "resume not auto/never/a checkpoint": (
         ["train.resume=maybe"], None,
         r"recipe key train.resume='maybe' is invalid: allowed: auto, never, or a checkpoint-N directory with meta.json; no such directory"),

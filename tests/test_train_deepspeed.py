@@ -56,10 +56,12 @@ def validations(out: Path) -> list[tuple[int, str]]:
 def zero3(tmp_path_factory):
     """One uninterrupted two-process ZeRO-3 run, validating every two steps (both ranks take
     part in each forward, rank 0 logs): its directory, token cache and losses. The runs
-    compared with it validate nothing: validation must not change the losses."""
+    compared with it validate nothing: validation must not change the losses. The loss's head
+    runs over 96-token chunks (its partitioned weight gathered for each, forward and backward)."""
     root = tmp_path_factory.mktemp("zero3")
     out, cache, held_out = root / "ds", root / "cache", root / "held_out.jsonl"
-    launch(out, cache, "validation.every_steps=2", f"validation.data={write_held_out(held_out)}", "validation.params={ppl: {max_windows: 2}}")
+    launch(out, cache, "train.loss_chunk_tokens=96", "validation.every_steps=2", f"validation.data={write_held_out(held_out)}",
+           "validation.params={ppl: {max_windows: 2}}")
     return out, cache, losses(out)
 
 
@@ -90,6 +92,13 @@ def test_two_process_deepspeed_zero3_on_cpu_saves_a_complete_adapter_and_resumes
     assert losses(out) == pytest.approx(first, abs=1e-5)
     assert validations(out) == [(2, "ppl")]  # kept by checkpoint-2; the relaunch validates nothing
     assert_adapter_reproduces_probe(out)
+
+
+@pytest.mark.slow
+def test_zero3_chunked_loss_trains_as_the_models_own_loss(zero3, tmp_path):
+    out, cache, chunked = zero3
+    launch(tmp_path / "model_loss", cache, "train.loss=model")
+    assert losses(tmp_path / "model_loss") == pytest.approx(chunked, abs=1e-5)
 
 
 @pytest.mark.slow

@@ -25,6 +25,7 @@ class ModelSection:
     target_length: int = 8192
     rope_method: str = "linear"
     trust_remote_code: bool = False
+    quantization: str = "none"  # nf4: a bitsandbytes 4-bit base under the adapters (QLoRA), docs/training.md
     tiny: dict = field(default_factory=dict)  # LlamaConfig overrides for name_or_path=tiny
 
 
@@ -77,6 +78,12 @@ class TrainSection:
     per_device_batch_size: int = 1
     gradient_accumulation_steps: int = 8
     gradient_checkpointing: bool = True
+    # memory (docs/training.md#memory): the loss's head over chunks of tokens, the checkpointed
+    # layer inputs in CPU memory, each MLP over tiles of the sequence (0: whole)
+    loss: str = "chunked"
+    loss_chunk_tokens: int = 2048
+    offload_activations: bool = False
+    mlp_tile_tokens: int = 0
     # DeepSpeed Ulysses: each sequence split over this many ranks, each attending with H/sp heads
     sequence_parallel_size: int = 1
     max_grad_norm: float = 1.0
@@ -131,6 +138,8 @@ class Recipe:
 CHOICES = {
     "model.dtype": DTYPE_NAMES,
     "model.rope_method": tuple(ROPE_METHODS),
+    "model.quantization": ("none", "nf4"),
+    "train.loss": ("chunked", "model"),
     "attention.backend": (None, "auto", "sdpa", "flash", "flex"),
     "data.packing": ("blocks", "padding_free"),
     "train.scheduler": ("constant", "linear", "cosine"),
@@ -138,13 +147,14 @@ CHOICES = {
     "validation.attention": ("full", "training"),
 }
 POSITIVE = {"model.target_length", "lora.r", "lora.alpha", "train.per_device_batch_size",
-            "train.gradient_accumulation_steps", "train.sequence_parallel_size", "train.save_steps", "train.log_steps", "train.num_epochs"}
-NON_NEGATIVE = {"train.warmup_steps", "train.weight_decay", "data.min_tokens", "validation.every_steps"}
+            "train.gradient_accumulation_steps", "train.sequence_parallel_size", "train.save_steps", "train.log_steps", "train.num_epochs",
+            "train.loss_chunk_tokens"}
+NON_NEGATIVE = {"train.warmup_steps", "train.weight_decay", "data.min_tokens", "validation.every_steps", "train.mlp_tile_tokens"}
 REPORTERS = ("tensorboard", "wandb", "none")
 WANDB_KEYS = {"project": str, "entity": str, "name": str, "group": str, "tags": list}  # train.wandb
 # What a resume must find as the checkpoint recorded it (the model, its adapters and attention, the
 # data and its order, the optimizer and its schedule): a change would continue another run.
-RESUME_KEYS = ("model.name_or_path", "model.dtype", "model.target_length", "model.rope_method", "model.tiny",
+RESUME_KEYS = ("model.name_or_path", "model.dtype", "model.quantization", "model.target_length", "model.rope_method", "model.tiny",
                "attention.pattern", "attention.params", "attention.backend",
                "lora.r", "lora.alpha", "lora.dropout", "lora.target_modules", "lora.extra_trainable",
                "data.source", "data.split", "data.text_column", "data.min_tokens", "data.seq_len", "data.streaming",
@@ -201,6 +211,9 @@ def validate(recipe: Recipe) -> None:
         fail("train.save_total_limit", train.save_total_limit, "must be >= 1 (checkpoints kept), or 0 to keep every checkpoint")
     if train.save_minutes < 0:
         fail("train.save_minutes", train.save_minutes, "must be > 0 (minutes between checkpoints by the clock), or 0 for none")
+    if train.offload_activations and not train.gradient_checkpointing:
+        fail("train.offload_activations", True, "offloads the layer inputs gradient checkpointing keeps; "
+             "set train.gradient_checkpointing=true")
     if len(train.betas) != 2 or not all(0 <= b < 1 for b in train.betas):
         fail("train.betas", train.betas, "two numbers in [0, 1)")
     for reporter in train.report_to:
@@ -384,6 +397,9 @@ def _check_deepspeed(recipe: Recipe, config: dict) -> None:
     for key, owned in RECIPE_OWNED.items():
         if key in config and not is_auto(config[key]) and config[key] != owned(recipe.train):
             raise BadInput(f"{where} sets {key}={config[key]!r} but the recipe says {owned(recipe.train)!r}; write \"auto\" there")
+    if recipe.model.quantization != "none" and config.get("zero_optimization", {}).get("stage") == 3:
+        fail("model.quantization", recipe.model.quantization, f"{where} is ZeRO-3, which cannot partition bitsandbytes' "
+             "4-bit weights here; use a ZeRO-2 config (zero2_bf16, zero2_fp16) or deepspeed: null")
     trains_in = precision(config)
     if trains_in != recipe.model.dtype:
         fail("model.dtype", recipe.model.dtype, f"{where} trains in {trains_in}; use a matching config or model.dtype={trains_in}")

@@ -47,14 +47,15 @@ def plan(config: Any, bits: int, device: str, dtype: torch.dtype, *, compute_dty
     return bnb_config(bits, compute_dtype, sorted(set(defaults) | set(refused))), refused
 
 
-def describe(refused: dict[str, str], bits: int, device: str, dtype: torch.dtype) -> str:
-    """One line naming the layers left unquantised, layer indices folded: ``layers.*.mlp.up_proj (x4)``."""
+def describe(refused: dict[str, str], bits: int, device: str, dtype: torch.dtype, *, asked_by: Optional[str] = None) -> str:
+    """One line naming the layers left unquantised, layer indices folded: ``layers.*.mlp.up_proj (x4)``;
+    ``asked_by``: what asked for the quantisation (default: the eval flag)."""
     import bitsandbytes
 
     counts = Counter(re.sub(r"\.\d+\.", ".*.", name) for name in refused)
     names = ", ".join(f"{name} (x{n})" if n > 1 else name for name, n in sorted(counts.items()))
     reasons = "; ".join(sorted(set(refused.values())))
-    return (f"warning: --load-in-{bits}bit: bitsandbytes {bitsandbytes.__version__} cannot quantise "
+    return (f"warning: {asked_by or f'--load-in-{bits}bit'}: bitsandbytes {bitsandbytes.__version__} cannot quantise "
             f"{len(refused)} linear layer(s) on {device} ({reasons}); they stay in {str(dtype).removeprefix('torch.')}: {names}")
 
 

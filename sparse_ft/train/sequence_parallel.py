@@ -87,7 +87,7 @@ class UlyssesEngine(DeepSpeedEngine):
         from torch.distributed.nn.functional import all_gather
 
         labels = batch["shift_labels"]
-        loss = self.engine(**batch, labels=labels).loss
+        loss = super().loss({**batch, "labels": labels})
         group = self.mpu.get_sequence_parallel_group()
         tokens = torch.stack(all_gather((labels != -100).sum(), group=group))
         losses = torch.stack(all_gather(loss, group=group))
