@@ -168,3 +168,27 @@ def test_replot_redraws_only_the_plots(experiment, tmp_path, capsys):
     assert main(["experiment", "--output", str(tmp_path / "empty"), "--replot"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "holds no results.json" in err
+
+
+def test_ablation_rows_keep_the_tiny_base_settings():
+    """An ablation row differs from its method's row by the ablated setting alone."""
+    from sparse_ft.experiment.run import free_methods
+
+    rows = free_methods()
+    assert rows["longheads"] == ("longheads", {"chunk_size": 32})
+    assert rows["longheads_paper"] == ("longheads", {"chunk_size": 32, "keep_previous": False})
+
+
+def test_a_method_that_cannot_take_rulers_prompts_is_reported_not_run(experiment, tmp_path, monkeypatch):
+    """ParallelComp needs its chunk and the question inside C; RULER's questions can be longer
+    (260 bytes on the tiny base): that row says why it has no RULER score, the others go on."""
+    from sparse_ft.experiment import run
+
+    cfg, _ = experiment
+    monkeypatch.setitem(run.TINY_BASE_PARAMS, "parallelcomp", {"chunk_size": 200})
+    again = ExperimentConfig(**{**cfg.__dict__, "output": str(tmp_path / "out"), "patterns": [],
+                                "free_methods": ["vanilla", "parallelcomp"]})
+    rows = Runner(again).run()["rows"]
+    assert "summary" in rows[0]["ruler"] and "must fit pretraining_length=256" in rows[1]["ruler"]["not_run"]
+    tables = (tmp_path / "out" / "tables.md").read_text()
+    assert "| parallelcomp | — | n/a | n/a |" in tables and "parallelcomp: not run: parallelcomp: chunk_size=200" in tables

@@ -94,7 +94,8 @@ def test_committed_checkpoint_loads_with_the_stated_shapes():
 
 def test_committed_checkpoint_retrieves_a_passkey_inside_its_window():
     """What the experiment's passkey columns rely on: the base finds the key when the whole
-    prompt and the answer fit in its 256 tokens."""
+    prompt and the answer fit in its 256 tokens: every key with the needle next to the
+    question, most of them elsewhere (docs/experiment.md, the committed checkpoint)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from sparse_ft import methods
@@ -103,7 +104,8 @@ def test_committed_checkpoint_retrieves_a_passkey_inside_its_window():
     model = AutoModelForCausalLM.from_pretrained(ASSET_DIR).eval()
     tok = AutoTokenizer.from_pretrained(ASSET_DIR)
     cells = passkey.evaluate(model, tok, [248], [0.0, 0.5, 1.0], trials=3, method=methods.get("full"), seed=1)
-    assert sum(c["accuracy"] for c in cells) / len(cells) >= 0.8, [c["outputs"] for c in cells]
+    assert cells[-1]["depth"] == 1.0 and cells[-1]["accuracy"] == 1.0, cells[-1]["outputs"]
+    assert sum(c["accuracy"] for c in cells) / len(cells) >= 0.7, [c["outputs"] for c in cells]
 
 
 def test_copy_probe_sees_the_base_copy_the_key():
@@ -116,5 +118,5 @@ def test_copy_probe_sees_the_base_copy_the_key():
     probe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(probe)
     model = AutoModelForCausalLM.from_pretrained(ASSET_DIR).eval()
-    acc = probe.copy_accuracy(model, AutoTokenizer.from_pretrained(ASSET_DIR), 256, keys=2)
-    assert acc["needle repeat"] == 1.0 and acc["answer"] == 1.0 and acc["needle"] < 0.5, acc
+    acc = probe.copy_accuracy(model, AutoTokenizer.from_pretrained(ASSET_DIR), 256, keys=2, depth=1.0)
+    assert acc["needle repeat"] == 1.0 and acc["answer"] >= 0.75 and acc["needle"] < 0.5, acc

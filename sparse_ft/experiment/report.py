@@ -78,10 +78,14 @@ def _ruler_table(rows: list[dict], groups: dict[str, list[dict]]) -> list[str]:
             cells = [_spread([_ruler(r)[n] for r in group], 1) for n in lengths]
             out.append(f"| {pattern} (fine-tuned) | " + " | ".join(cells)
                        + f" | {_effective(group, 'ruler')} | {_effective(group, 'relative')} |")
-    for r in measured:
-        if r["kind"] == "training-free":
+    for r in rows:
+        if r["kind"] == "training-free" and _ruler(r):
             out.append(f"| {r['name']} | " + " | ".join(f"{_ruler(r)[n]:.1f}" for n in lengths)
                        + f" | {_effective([r], 'ruler')} | {_effective([r], 'relative')} |")
+        elif "not_run" in r.get("ruler", {}):
+            out.append(f"| {r['name']} | " + " | ".join("—" for _ in lengths) + " | n/a | n/a |")
+    out.append("")
+    out += [f"{r['name']}: not run: {r['ruler']['not_run']}" for r in rows if "not_run" in r.get("ruler", {})]
     return out + [""]
 
 

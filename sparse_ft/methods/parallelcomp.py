@@ -254,6 +254,9 @@ def select(model, context_ids: Sequence[int], question_ids: Sequence[int], cfg: 
     config = pretrained(model).config
     pretraining = cfg.pretraining_length or rope.original_context(config)
     size = cfg.chunk_size or pretraining - len(question)
+    if cfg.chunk_size is None and size < 1:
+        raise ValueError(f"parallelcomp: the question ({len(question)} tokens) leaves no room for a context chunk "
+                         f"within pretraining_length={pretraining}")
     if size < 1 or size + len(question) > pretraining:
         raise ValueError(
             f"parallelcomp: chunk_size={size} + question length {len(question)} must fit pretraining_length={pretraining}"
