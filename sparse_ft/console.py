@@ -20,12 +20,16 @@ _level = NORMAL
 WARNINGS = [
     # PEFT's get_peft_model probes model.is_gradient_checkpointing, deprecated in transformers 5
     (FutureWarning, r"transformers\.modeling_utils", r"`is_gradient_checkpointing` is deprecated"),
+    # older bitsandbytes: LLM.int8 casts its inputs to fp16 on every matmul, by design
+    (UserWarning, r"bitsandbytes\.autograd\._functions", r"MatMul8bitLt: inputs will be cast"),
 ]
 # (logger, start of its message): library log records
 LOG_RECORDS = [
     # at import, on CPUs with AVX512-BF16: an optional CPU kernel for 4-bit layers (QLoRA on a
     # CPU) from the `kernels` package; bitsandbytes falls back to its own
     ("bitsandbytes.backends.cpu.ops", "Failed to load CPU gemm_4bit_forward"),
+    # newer bitsandbytes logs LLM.int8's cast instead of warning it
+    ("bitsandbytes.autograd._functions", "MatMul8bitLt: inputs will be cast"),
 ]
 
 
