@@ -1,0 +1,187 @@
+"""The memory planner (``sparse-ft plan``) against measured peak memory of real training steps.
+
+    OMP_NUM_THREADS=1 python scripts/plan_check.py                  # CPU: tiny and Llama-2-7B cut to 1 layer
+    python scripts/plan_check.py --device cuda --cases gpu          # on a GPU (scripts/gpu_bench.sh)
+
+Each measurement runs in a fresh subprocess (nothing an earlier one allocated can hide in its
+heap): the model is built as a recipe builds it (LoRA+ through ``add_adapters``, the activation
+keys, the chunked or the model's loss), AdamW takes one step at 16 tokens so its state exists,
+then one step at N tokens warms up and the next is measured. Two numbers are compared with the
+planner's: the static memory (weights, trainable masters, AdamW's m and v: resident size after
+the optimizer step minus before the model) and the step (gradients and everything a step
+allocates: the peak growth during forward+backward). CPU: the resident high-water mark
+(/proc/self/status VmHWM, reset through /proc/self/clear_refs after malloc_trim), which counts
+pages touched, not bytes allocated; CUDA: torch.cuda.max_memory_allocated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+MIB = 2**20
+# Llama-2-7B's widths (sparse_ft/plan/geometry.py) cut to layers, vocabulary and all
+LLAMA2_7B = dict(hidden_size=4096, intermediate_size=11008, num_attention_heads=32, num_key_value_heads=32,
+                 vocab_size=32000)
+FEATURES = {  # name -> recipe train keys
+    "ckpt": dict(gradient_checkpointing=True),
+    "ckpt+tile+offload": dict(gradient_checkpointing=True, mlp_tile_tokens=256, offload_activations=True),
+    "ckpt, model loss": dict(gradient_checkpointing=True, loss="model"),
+    "no ckpt": dict(gradient_checkpointing=False),
+}
+CASES = {
+    "cpu": [("tiny", 4, "full", "ckpt", n) for n in (4096, 16384)]
+           + [("tiny", 4, "scca_flow", f, n) for f in FEATURES for n in (4096, 16384)]
+           + [("llama2-7b", 1, p, "ckpt", n) for p in ("full", "scca_flow") for n in (512, 1024)]
+           + [("llama2-7b", 1, "scca_flow", "ckpt+tile+offload", 1024)],
+    "quick": [("tiny", 4, "scca_flow", "ckpt", 4096), ("llama2-7b", 1, "scca_flow", "ckpt", 1024)],
+    "gpu": [("llama2-7b", 2, p, f, n) for f in ("ckpt", "ckpt+tile+offload") for p in ("full", "scca_flow", "s2")
+            for n in (8192, 32768)],
+}
+
+
+def model_config(model: str, layers: int) -> dict:
+    return dict(num_hidden_layers=layers, **({} if model == "tiny" else LLAMA2_7B))
+
+
+def setup_for(model: str, layers: int, pattern: str, feature: str, *, dtype: str):
+    """The planner's Setup of a measured case (plain torch, one process)."""
+    from sparse_ft.modeling.tiny import tiny_llama_config
+    from sparse_ft.plan.geometry import from_config
+    from sparse_ft.plan.memory import Setup
+
+    shape = from_config(tiny_llama_config(**model_config(model, layers)), model)
+    keys = {"mlp_tile_tokens": 0, "offload_activations": False, "loss": "chunked", **FEATURES[feature]}
+    return Setup(shape=shape, dtype=dtype, pattern=pattern, chunks=4, **keys)
+
+
+def predicted(setup, n: int) -> tuple[float, float]:
+    """(static, step) bytes as the measurement splits them: the step allocates the gradients
+    (4 B per trainable) and the activations; the static part holds the rest."""
+    from sparse_ft.plan import memory
+
+    parts = memory.components(setup, n)
+    trainable = sum(memory.trainable_params(setup).values())
+    static = sum(memory.weights(setup).values()) + sum(memory.optimizer_state(setup).values()) - 4 * trainable
+    return static, sum(parts.values()) - static
+
+
+def resident(device) -> int:
+    """Bytes held now: the CUDA allocator's, or the process's resident size once freed heap
+    went back to the OS."""
+    import ctypes
+
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        return torch.cuda.memory_allocated()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def measure_child(spec: dict) -> dict:
+    """One case, in this (fresh) process."""
+    import gc
+
+    import torch
+
+    from sparse_ft import methods
+    from sparse_ft.bench.machine import PeakMemory
+    from sparse_ft.config import LoraSection, TrainSection
+    from sparse_ft.modeling.tiny import tiny_llama_config
+    from sparse_ft.train.activations import reduce_activation_memory
+    from sparse_ft.train.loss import training_loss
+    from sparse_ft.train.model_setup import add_adapters
+    from transformers import AutoModelForCausalLM
+
+    device = torch.device(spec["device"])
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[spec["dtype"]]
+    keys = {"mlp_tile_tokens": 0, "offload_activations": False, "loss": "chunked", **FEATURES[spec["feature"]]}
+    train = TrainSection(**keys)
+    method = methods.for_training(spec["pattern"], {"chunks": 4} if spec["pattern"] != "full" else {}, None,
+                                  spec["dtype"])[0]
+    def build(model_name: str, layers: int, n: int):
+        torch.manual_seed(0)
+        with torch.device(device):
+            config = tiny_llama_config(max_position_embeddings=max(n, 256), use_cache=False,
+                                       **model_config(model_name, layers))
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = add_adapters(model, LoraSection(), method, train.gradient_checkpointing)
+        model = reduce_activation_memory(model.train(), train)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        if dtype != torch.float32:
+            for p in trainable:
+                p.data = p.data.float()
+        loss_fn = training_loss(model, train.loss, train.loss_chunk_tokens)
+        optimizer = torch.optim.AdamW(trainable, lr=1e-5)
+
+        def step(n: int) -> None:
+            ids = torch.randint(0, config.vocab_size, (1, n), device=device)
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+                loss = loss_fn(model, model, {"input_ids": ids, "labels": ids})
+            loss.backward()
+
+        step(16)
+        optimizer.step()
+        model.zero_grad(set_to_none=True)
+        return model, trainable, step
+
+    build("tiny", 1, 64)  # loads the code every later step runs (lazy imports, kernels) before measuring
+    gc.collect()
+    before = resident(device)
+    model, trainable, step = build(spec["model"], spec["layers"], spec["n"])
+    gc.collect()
+    static_bytes = resident(device) - before
+    step(spec["n"])
+    model.zero_grad(set_to_none=True)
+    peak = PeakMemory(device)
+    with peak.measure():
+        step(spec["n"])
+    static_mib = static_bytes / MIB
+    return {"static_mib": static_mib, "step_mib": peak.mib,
+            "trainable": sum(p.numel() for p in trainable)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", choices=list(CASES), default="cpu")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on CUDA")
+    parser.add_argument("--output", type=Path, default=None, help="write the rows as JSON here")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(measure_child(json.loads(args.child))))
+        return
+    dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    rows = []
+    print("| model | layers | pattern | keys | N | static pred MiB | static meas MiB | ratio | step pred MiB | "
+          "step meas MiB | ratio |\n|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|", flush=True)
+    for model, layers, pattern, feature, n in CASES[args.cases]:
+        spec = dict(model=model, layers=layers, pattern=pattern, feature=feature, n=n, device=args.device, dtype=dtype)
+        out = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True,
+                             env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+        if out.returncode:
+            raise SystemExit(f"case {spec} failed:\n{out.stderr[-3000:]}")
+        got = json.loads(out.stdout.strip().splitlines()[-1])
+        static, step = (x / MIB for x in predicted(setup_for(model, layers, pattern, feature, dtype=dtype), n))
+        row = {**spec, "static_pred_mib": static, "step_pred_mib": step, **got,
+               "static_ratio": static / got["static_mib"], "step_ratio": step / got["step_mib"]}
+        rows.append(row)
+        print(f"| {model} | {layers} | {pattern} | {feature} | {n} | {static:.0f} | {got['static_mib']:.0f} | "
+              f"{row['static_ratio']:.2f} | {step:.0f} | {got['step_mib']:.0f} | {row['step_ratio']:.2f} |", flush=True)
+    if args.output:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps({"device": args.device, "dtype": dtype, "rows": rows}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
