@@ -10,8 +10,9 @@ then one step at N tokens warms up and the next is measured. Two numbers are com
 planner's: the static memory (weights, trainable masters, AdamW's m and v: resident size after
 the optimizer step minus before the model) and the step (gradients and everything a step
 allocates: the peak growth during forward+backward). CPU: the resident high-water mark
-(/proc/self/status VmHWM, reset through /proc/self/clear_refs after malloc_trim), which counts
-pages touched, not bytes allocated; CUDA: torch.cuda.max_memory_allocated.
+(/proc/self/status VmHWM, reset through /proc/self/clear_refs after malloc_trim), with glibc
+told to map every allocation above 16 KiB on its own (MALLOC_MMAP_THRESHOLD_) so that freed
+tensors leave the resident size; CUDA: torch.cuda.max_memory_allocated.
 """
 
 from __future__ import annotations
@@ -26,6 +27,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 MIB = 2**20
+# glibc serves small allocations from its heap and keeps their pages after a free (fragmented,
+# so malloc_trim cannot return them): the resident size then tracks the heap's high-water
+# mark, not the bytes alive (the tiny model's 1 MiB tensors measured 2.6x its live bytes).
+# Above this size every allocation is its own mmap, returned on free, as CUDA's allocated
+# bytes count them.
+MMAP_THRESHOLD = 16384
 # Llama-2-7B's widths (sparse_ft/plan/geometry.py) cut to layers, vocabulary and all
 LLAMA2_7B = dict(hidden_size=4096, intermediate_size=11008, num_attention_heads=32, num_key_value_heads=32,
                  vocab_size=32000)
@@ -36,9 +43,10 @@ FEATURES = {  # name -> recipe train keys
     "no ckpt": dict(gradient_checkpointing=False),
 }
 CASES = {
-    "cpu": [("tiny", 4, "full", "ckpt", n) for n in (4096, 16384)]
-           + [("tiny", 4, "scca_flow", f, n) for f in FEATURES for n in (4096, 16384)]
-           + [("llama2-7b", 1, p, "ckpt", n) for p in ("full", "scca_flow") for n in (512, 1024)]
+    "cpu": [("tiny", 4, p, "ckpt", n) for p in ("full", "scca_flow") for n in (2048, 8192)]
+           + [("tiny", 4, "scca_flow", f, 8192) for f in FEATURES if f != "ckpt"]
+           + [("llama2-7b", 1, "full", "ckpt", 1024)]
+           + [("llama2-7b", 1, "scca_flow", "ckpt", n) for n in (512, 1024)]
            + [("llama2-7b", 1, "scca_flow", "ckpt+tile+offload", 1024)],
     "quick": [("tiny", 4, "scca_flow", "ckpt", 4096), ("llama2-7b", 1, "scca_flow", "ckpt", 1024)],
     "gpu": [("llama2-7b", 2, p, f, n) for f in ("ckpt", "ckpt+tile+offload") for p in ("full", "scca_flow", "s2")
@@ -72,21 +80,6 @@ def predicted(setup, n: int) -> tuple[float, float]:
     return static, sum(parts.values()) - static
 
 
-def resident(device) -> int:
-    """Bytes held now: the CUDA allocator's, or the process's resident size once freed heap
-    went back to the OS."""
-    import ctypes
-
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        return torch.cuda.memory_allocated()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
-
-
 def measure_child(spec: dict) -> dict:
     """One case, in this (fresh) process."""
     import gc
@@ -94,7 +87,7 @@ def measure_child(spec: dict) -> dict:
     import torch
 
     from sparse_ft import methods
-    from sparse_ft.bench.machine import PeakMemory
+    from sparse_ft.bench.machine import PeakMemory, held_bytes
     from sparse_ft.config import LoraSection, TrainSection
     from sparse_ft.modeling.tiny import tiny_llama_config
     from sparse_ft.train.activations import reduce_activation_memory
@@ -136,10 +129,10 @@ def measure_child(spec: dict) -> dict:
 
     build("tiny", 1, 64)  # loads the code every later step runs (lazy imports, kernels) before measuring
     gc.collect()
-    before = resident(device)
+    before = held_bytes(device)
     model, trainable, step = build(spec["model"], spec["layers"], spec["n"])
     gc.collect()
-    static_bytes = resident(device) - before
+    static_bytes = held_bytes(device) - before
     step(spec["n"])
     model.zero_grad(set_to_none=True)
     peak = PeakMemory(device)
@@ -168,7 +161,8 @@ def main() -> None:
     for model, layers, pattern, feature, n in CASES[args.cases]:
         spec = dict(model=model, layers=layers, pattern=pattern, feature=feature, n=n, device=args.device, dtype=dtype)
         out = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True,
-                             env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+                             env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+                                  "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)})
         if out.returncode:
             raise SystemExit(f"case {spec} failed:\n{out.stderr[-3000:]}")
         got = json.loads(out.stdout.strip().splitlines()[-1])

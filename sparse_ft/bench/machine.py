@@ -40,6 +40,17 @@ def _rss_kib(field: str) -> int:
     return 0
 
 
+def held_bytes(device: torch.device) -> int:
+    """Bytes held now: the CUDA allocator's, or (CPU) the process's resident size once freed
+    heap went back to the OS (what a model and its optimizer state occupy, measured as the
+    difference of two calls)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        return torch.cuda.memory_allocated(device)
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    return _rss_kib("VmRSS") * 1024
+
+
 class PeakMemory:
     """Peak memory growth of one measured region, in MiB. CUDA: the allocator's peak. CPU
     (Linux): the process's resident high-water mark, reset through /proc/self/clear_refs
