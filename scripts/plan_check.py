@@ -9,10 +9,12 @@ keys, the chunked or the model's loss), AdamW takes one step at 16 tokens so its
 then one step at N tokens warms up and the next is measured. Two numbers are compared with the
 planner's: the static memory (weights, trainable masters, AdamW's m and v: resident size after
 the optimizer step minus before the model) and the step (gradients and everything a step
-allocates: the peak growth during forward+backward). CPU: the resident high-water mark
-(/proc/self/status VmHWM, reset through /proc/self/clear_refs after malloc_trim), with glibc
-told to map every allocation above 16 KiB on its own (MALLOC_MMAP_THRESHOLD_) so that freed
-tensors leave the resident size; CUDA: torch.cuda.max_memory_allocated.
+allocates: the peak growth during forward+backward). CUDA: the allocator's counters
+(torch.cuda.max_memory_allocated). CPU: the same quantity from torch's profiler, whose memory
+events record every allocation and free of its CPU allocator. Not the resident size: it counts
+pages touched, not bytes allocated. glibc kept the pages of the tiny model's freed 1 MiB
+tensors in its heap (2.6x the live bytes), and a zeroed tensor written in a few rows (the
+embedding's gradient: the rows of the tokens seen) or not yet written is not resident at all.
 """
 
 from __future__ import annotations
@@ -27,12 +29,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 MIB = 2**20
-# glibc serves small allocations from its heap and keeps their pages after a free (fragmented,
-# so malloc_trim cannot return them): the resident size then tracks the heap's high-water
-# mark, not the bytes alive (the tiny model's 1 MiB tensors measured 2.6x its live bytes).
-# Above this size every allocation is its own mmap, returned on free, as CUDA's allocated
-# bytes count them.
-MMAP_THRESHOLD = 16384
 # Llama-2-7B's widths (sparse_ft/plan/geometry.py) cut to layers, vocabulary and all
 LLAMA2_7B = dict(hidden_size=4096, intermediate_size=11008, num_attention_heads=32, num_key_value_heads=32,
                  vocab_size=32000)
@@ -43,11 +39,8 @@ FEATURES = {  # name -> recipe train keys
     "no ckpt": dict(gradient_checkpointing=False),
 }
 CASES = {
-    "cpu": [("tiny", 4, p, "ckpt", n) for p in ("full", "scca_flow") for n in (2048, 8192)]
-           + [("tiny", 4, "scca_flow", f, 8192) for f in FEATURES if f != "ckpt"]
-           + [("llama2-7b", 1, "full", "ckpt", 1024)]
-           + [("llama2-7b", 1, "scca_flow", "ckpt", n) for n in (512, 1024)]
-           + [("llama2-7b", 1, "scca_flow", "ckpt+tile+offload", 1024)],
+    "cpu": [("tiny", 4, p, f, 8192) for p in ("full", "scca_flow") for f in ("ckpt", "ckpt+tile+offload")]
+           + [("llama2-7b", 1, p, "ckpt", 1024) for p in ("scca_flow", "full")],
     "quick": [("tiny", 4, "scca_flow", "ckpt", 4096), ("llama2-7b", 1, "scca_flow", "ckpt", 1024)],
     "gpu": [("llama2-7b", 2, p, f, n) for f in ("ckpt", "ckpt+tile+offload") for p in ("full", "scca_flow", "s2")
             for n in (8192, 32768)],
@@ -58,7 +51,7 @@ def model_config(model: str, layers: int) -> dict:
     return dict(num_hidden_layers=layers, **({} if model == "tiny" else LLAMA2_7B))
 
 
-def setup_for(model: str, layers: int, pattern: str, feature: str, *, dtype: str):
+def setup_for(model: str, layers: int, pattern: str, feature: str, *, dtype: str, device: str):
     """The planner's Setup of a measured case (plain torch, one process)."""
     from sparse_ft.modeling.tiny import tiny_llama_config
     from sparse_ft.plan.geometry import from_config
@@ -66,6 +59,8 @@ def setup_for(model: str, layers: int, pattern: str, feature: str, *, dtype: str
 
     shape = from_config(tiny_llama_config(**model_config(model, layers)), model)
     keys = {"mlp_tile_tokens": 0, "offload_activations": False, "loss": "chunked", **FEATURES[feature]}
+    if device == "cpu":  # offloading to the CPU from the CPU keeps the tensor itself
+        keys["offload_activations"] = False
     return Setup(shape=shape, dtype=dtype, pattern=pattern, chunks=4, **keys)
 
 
@@ -78,6 +73,23 @@ def predicted(setup, n: int) -> tuple[float, float]:
     trainable = sum(memory.trainable_params(setup).values())
     static = sum(memory.weights(setup).values()) + sum(memory.optimizer_state(setup).values()) - 4 * trainable
     return static, sum(parts.values()) - static
+
+
+def allocated(fn):
+    """``fn()``, the peak growth and the net growth of the bytes torch's CPU allocator holds
+    while it runs: the profiler's memory events (allocations attributed to the op that made
+    them, frees outside ops as ``[memory]`` events) summed in time order. Transients allocated
+    and freed inside one op are not seen."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    held = peak = 0
+    for _, change in sorted((e.time_range.start, e.self_cpu_memory_usage) for e in prof.events()
+                            if e.self_cpu_memory_usage):
+        held += change
+        peak = max(peak, held)
+    return result, peak, held
 
 
 def measure_child(spec: dict) -> dict:
@@ -129,18 +141,31 @@ def measure_child(spec: dict) -> dict:
 
     build("tiny", 1, 64)  # loads the code every later step runs (lazy imports, kernels) before measuring
     gc.collect()
-    before = held_bytes(device)
-    model, trainable, step = build(spec["model"], spec["layers"], spec["n"])
-    gc.collect()
-    static_bytes = held_bytes(device) - before
-    step(spec["n"])
-    model.zero_grad(set_to_none=True)
-    peak = PeakMemory(device)
-    with peak.measure():
+    if device.type == "cuda":
+        before = held_bytes(device)
+        model, trainable, step = build(spec["model"], spec["layers"], spec["n"])
+        static_bytes = held_bytes(device) - before
         step(spec["n"])
-    static_mib = static_bytes / MIB
-    return {"static_mib": static_mib, "step_mib": peak.mib,
+        peak = PeakMemory(device)
+        with peak.measure():
+            step(spec["n"])
+        step_bytes = peak.mib * MIB
+    else:
+        (model, trainable, step), _, static_bytes = allocated(lambda: build(spec["model"], spec["layers"], spec["n"]))
+        step(spec["n"])
+        _, step_bytes, _ = allocated(lambda: step(spec["n"]))
+    static_mib, step_mib = static_bytes / MIB, step_bytes / MIB
+    return {"static_mib": static_mib, "step_mib": step_mib,
             "trainable": sum(p.numel() for p in trainable)}
+
+
+def measure(spec: dict) -> dict:
+    """One case in a fresh subprocess."""
+    out = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True,
+                         env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+    if out.returncode:
+        raise SystemExit(f"case {spec} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -149,6 +174,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on CUDA")
     parser.add_argument("--output", type=Path, default=None, help="write the rows as JSON here")
+    parser.add_argument("--measured", type=Path, default=None,
+                        help="take the measurements from an earlier --output (the planner's predictions recomputed)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -158,15 +185,13 @@ def main() -> None:
     rows = []
     print("| model | layers | pattern | keys | N | static pred MiB | static meas MiB | ratio | step pred MiB | "
           "step meas MiB | ratio |\n|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|", flush=True)
-    for model, layers, pattern, feature, n in CASES[args.cases]:
+    earlier = json.loads(args.measured.read_text())["rows"] if args.measured else None
+    cases = [(r["model"], r["layers"], r["pattern"], r["feature"], r["n"]) for r in earlier] if earlier else CASES[args.cases]
+    for index, (model, layers, pattern, feature, n) in enumerate(cases):
         spec = dict(model=model, layers=layers, pattern=pattern, feature=feature, n=n, device=args.device, dtype=dtype)
-        out = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True,
-                             env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-                                  "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)})
-        if out.returncode:
-            raise SystemExit(f"case {spec} failed:\n{out.stderr[-3000:]}")
-        got = json.loads(out.stdout.strip().splitlines()[-1])
-        static, step = (x / MIB for x in predicted(setup_for(model, layers, pattern, feature, dtype=dtype), n))
+        got = ({k: earlier[index][k] for k in ("static_mib", "step_mib", "trainable")} if earlier
+               else measure(spec))
+        static, step = (x / MIB for x in predicted(setup_for(model, layers, pattern, feature, dtype=dtype, device=args.device), n))
         row = {**spec, "static_pred_mib": static, "step_pred_mib": step, **got,
                "static_ratio": static / got["static_mib"], "step_ratio": step / got["step_mib"]}
         rows.append(row)

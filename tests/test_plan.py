@@ -106,3 +106,20 @@ def test_bad_plan_flags_are_one_line(argv, words, capsys):
 def test_unknown_hub_model_is_refused_by_name():
     with pytest.raises(ValueError, match="model.name_or_path='someone/unknown-7b' has no shapes here"):
         model_shape("someone/unknown-7b")
+
+
+def test_prediction_matches_a_measured_tiny_step():
+    """One LoRA+ step of the tiny model with gradient checkpointing through scca_flow: the
+    bytes torch's CPU allocator holds at the step's peak (profiler memory events, as
+    scripts/plan_check.py measures) against the planner's prediction."""
+    import importlib.util
+
+    from sparse_ft.config.paths import REPO_ROOT
+
+    spec = importlib.util.spec_from_file_location("plan_check", REPO_ROOT / "scripts" / "plan_check.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    case = dict(model="tiny", layers=4, pattern="scca_flow", feature="ckpt", n=2048, device="cpu", dtype="float32")
+    measured = check.measure_child(case)["step_mib"] * 2**20
+    _, predicted = check.predicted(check.setup_for("tiny", 4, "scca_flow", "ckpt", dtype="float32", device="cpu"), 2048)
+    assert predicted == pytest.approx(measured, rel=0.15)

@@ -121,25 +121,31 @@ def tokens_per_rank(setup: Setup, n: int) -> int:
 
 def layer_working_set(setup: Setup, t: int) -> float:
     """What one decoder layer's forward keeps for backward (its recomputation under gradient
-    checkpointing), plus the gradients alive in its backward, per rank. Per token: two RMSNorms
-    (each its fp32 normalised input and its output, 8 B × H), the residual after attention, q
-    and k after RoPE and v, the attention output and its contiguous copy for o_proj, the MLP's
-    gate, up, activation and product (4 × I, per tile when tiled), and in backward the residual
-    stream's gradient twice and two MLP-wide gradients."""
+    checkpointing), plus the gradients alive in its backward, per rank. Autograd keeps only what
+    a gradient needs, and the base's weights are frozen: a projection without LoRA keeps no
+    input. Per token, as counted on the tiny model (docs/memory.md): each RMSNorm's
+    normalised input in fp32 (and, for a half-precision residual, its fp32 upcast: the norm's
+    weight trains), the first norm's output (LoRA's input on q/k/v), the residual after
+    attention, LoRA A's outputs, q and k after RoPE, v, the attention output and o_proj's
+    contiguous input, the MLP's gate, up and activation (3 × I, per tile when tiled; the
+    product feeds the frozen down_proj and is not kept); in backward, the residual stream's
+    gradient twice."""
     s, a, r = setup.shape, _act_bytes(setup), residual_bytes(setup)
     mlp_tokens = min(t, setup.mlp_tile_tokens) if setup.mlp_tile_tokens else t
-    per_token = 16 * s.hidden + r * s.hidden + a * (s.q_width + 2 * s.kv_width) + 2 * a * s.q_width
-    backward = 2 * r * s.hidden * t + 2 * a * s.intermediate * mlp_tokens
-    return per_token * t + 4 * a * s.intermediate * mlp_tokens + backward
+    norm = 4 * s.hidden if r == 4 else (4 + a) * s.hidden
+    lora = a * setup.lora_r * len(setup.lora_targets)
+    per_token = 2 * norm + a * s.hidden + r * s.hidden + lora + a * (3 * s.q_width + 2 * s.kv_width)
+    return per_token * t + 3 * a * s.intermediate * mlp_tokens + 2 * r * s.hidden * t
 
 
 def attention_workspace(setup: Setup, n: int) -> dict[str, float]:
-    """One layer's attention beyond its q, k, v and output, per rank. Under Ulysses a rank holds
-    ``heads / sp`` heads over the whole sequence, and the all-to-all's q, k, v and output
-    buffers. Fused kernels (flash on sm80+, memory-efficient, the CPU kernel) keep the output
-    and its log-sum-exp, no scores; blocked patterns first copy q, k, v into SDPA's folded
-    batch and the output back out (two copies: unchunk and the head groups' concatenation).
-    The math kernel materialises each block's fp32 scores, their softmax and its gradient."""
+    """One layer's attention beyond what :func:`layer_working_set` counts, per rank. Under
+    Ulysses a rank holds ``heads / sp`` heads over the whole sequence, and the all-to-all's q,
+    k, v and output buffers. Fused kernels (flash on sm80+, memory-efficient, the CPU kernel)
+    keep the output and its log-sum-exp, no scores; blocked patterns keep q, k, v in SDPA's
+    folded batch instead of the model's layout and one output-wide copy more (counted on the
+    tiny model: one Q-wide tensor per token more than full attention). The math kernel
+    materialises each block's fp32 scores, their softmax and its gradient."""
     s, a = setup.shape, _act_bytes(setup)
     sp = setup.sequence_parallel
     heads, q, kv = s.heads / sp, s.q_width / sp, max(s.kv_width / sp, s.head_dim)
@@ -147,7 +153,7 @@ def attention_workspace(setup: Setup, n: int) -> dict[str, float]:
     parts = {"attention (lse)": 4 * heads * tokens}
     blocked = setup.pattern in CHUNKED or setup.pattern in DILATED or setup.pattern == "causal"
     if blocked:
-        parts["attention (pattern copies)"] = a * (q + 2 * kv + 2 * q) * tokens
+        parts["attention (pattern copies)"] = a * q * tokens
     if setup.kernel == "math":
         width = n / setup.chunks if setup.pattern in CHUNKED else n / DILATED.get(setup.pattern, 1)
         parts["attention scores (math kernel)"] = 3 * 4 * heads * tokens * width
@@ -173,7 +179,7 @@ def components(setup: Setup, n: int) -> dict[str, float]:
     parts = {**weights(setup), **optimizer_state(setup)}
     if setup.gradient_checkpointing:
         kept = 1 if setup.offload_activations else s.layers
-        parts["checkpointed layer inputs" + (" (1 layer; the rest on the CPU)" if kept == 1 else "")] = kept * t * s.hidden * r
+        parts["checkpointed layer inputs" + (" (1 layer; the rest on the CPU)" if setup.offload_activations else "")] = kept * t * s.hidden * r
         layer = layer_working_set(setup, t) + sum(attention_workspace(setup, n).values())
     else:
         layer = s.layers * (layer_working_set(setup, t) + sum(attention_workspace(setup, n).values()))
