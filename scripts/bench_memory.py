@@ -12,10 +12,10 @@ the feature's keys), built as ``sparse-ft train`` builds it (``build_model``: Lo
 checkpointing, the activation keys; ``load_base``: NF4) and stepped as the trainer steps
 (``training_loss``, autocast over fp32 masters): forward and backward, no optimizer update. The
 baseline is the plain step of a run before issue 22: full attention, gradient
-checkpointing, the model's own loss. Peak memory: the growth of the process's resident
-high-water mark on a CPU, with every allocation above 16 KiB mapped apart so that freed
-tensors leave it (the script re-runs itself with glibc's MALLOC_MMAP_THRESHOLD_ set), torch.cuda.max_memory_allocated on CUDA
-(``sparse_ft.bench.machine``).
+checkpointing, the model's own loss. Memory: what the model and its states hold, and the
+peak growth during the step, at the allocator: torch.cuda.max_memory_allocated on CUDA, the
+profiler's memory events of torch's CPU allocator on a CPU (``sparse_ft.bench.machine.allocated``;
+the resident size counts pages, not bytes: docs/memory.md).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -31,7 +30,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 WRITER = "scripts/bench_memory.py"
-MMAP_THRESHOLD = 16384
 # the recipe keys of each configuration, over the baseline's
 # (chunks and tiles of 256 tokens: at these lengths the defaults, 2048-token loss chunks, would be
 # the whole sequence)
@@ -134,10 +132,6 @@ def main() -> int:
     parser.add_argument("--output", type=Path, default=None)
     parser.add_argument("--overwrite", action="store_true")
     args = parser.parse_args()
-    if args.device == "cpu" and os.environ.get("MALLOC_MMAP_THRESHOLD_") != str(MMAP_THRESHOLD):
-        # glibc keeps freed small tensors' heap pages: the resident size would follow the heap's
-        # high-water mark, not the bytes alive (scripts/plan_check.py); every tensor mapped apart
-        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)})
     features = [f for f in args.features.split(",") if f]
     unknown = [f for f in features if f not in FEATURES]
     if unknown:
@@ -150,7 +144,7 @@ def main() -> int:
     import torch
     from tqdm import tqdm
 
-    from sparse_ft.bench.machine import describe, held_bytes, measure
+    from sparse_ft.bench.machine import allocated, describe, held_bytes, measure
     from sparse_ft.modeling.model_io import materialize_tiny
 
     if args.threads:
@@ -164,7 +158,7 @@ def main() -> int:
     title = (f"training step (forward+backward, LoRA+ as the recipes train, gradient checkpointing, batch 1, {dtype}) of "
              f"{args.model} ({MODELS[args.model]}), median of {args.repeats} after {args.warmup} warm-up, ratios against "
              f"full attention with the model's own loss in the same run, on {machine}; peak memory: "
-             + ("torch.cuda.max_memory_allocated" if device.type == "cuda" else "growth of the resident high-water mark"))
+             + ("torch.cuda.max_memory_allocated" if device.type == "cuda" else "torch's CPU allocator (profiler memory events)"))
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="sparse-ft-bench-memory-") as tmp:
         model_dir = materialize_tiny(Path(tmp) / "model", 0, **MODELS[args.model])
@@ -173,10 +167,17 @@ def main() -> int:
             base = None
             for pattern, feature in configs:
                 gc.collect()
-                before = held_bytes(device)
-                model, step = step_function(model_dir, pattern, feature, n, device=str(device), dtype=dtype)
-                static = (held_bytes(device) - before) / 2**20
-                got = measure(step, device, args.warmup, args.repeats)
+                build = lambda: step_function(model_dir, pattern, feature, n, device=str(device), dtype=dtype)  # noqa: E731
+                if device.type == "cuda":
+                    before = held_bytes(device)
+                    model, step = build()
+                    static = (held_bytes(device) - before) / 2**20
+                    got = measure(step, device, args.warmup, args.repeats)
+                else:  # time as measured; memory at torch's CPU allocator (the resident size is not it)
+                    (model, step), _, static_bytes = allocated(build)
+                    static = static_bytes / 2**20
+                    timed = measure(step, device, args.warmup, args.repeats)
+                    got = (timed[0], allocated(step)[1] / 2**20)
                 del model, step
                 gc.collect()
                 ms, mib = got or (None, None)

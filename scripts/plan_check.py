@@ -75,23 +75,6 @@ def predicted(setup, n: int) -> tuple[float, float]:
     return static, sum(parts.values()) - static
 
 
-def allocated(fn):
-    """``fn()``, the peak growth and the net growth of the bytes torch's CPU allocator holds
-    while it runs: the profiler's memory events (allocations attributed to the op that made
-    them, frees outside ops as ``[memory]`` events) summed in time order. Transients allocated
-    and freed inside one op are not seen."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        result = fn()
-    held = peak = 0
-    for _, change in sorted((e.time_range.start, e.self_cpu_memory_usage) for e in prof.events()
-                            if e.self_cpu_memory_usage):
-        held += change
-        peak = max(peak, held)
-    return result, peak, held
-
-
 def measure_child(spec: dict) -> dict:
     """One case, in this (fresh) process."""
     import gc
@@ -99,7 +82,7 @@ def measure_child(spec: dict) -> dict:
     import torch
 
     from sparse_ft import methods
-    from sparse_ft.bench.machine import PeakMemory, held_bytes
+    from sparse_ft.bench.machine import PeakMemory, allocated, held_bytes
     from sparse_ft.config import LoraSection, TrainSection
     from sparse_ft.modeling.tiny import tiny_llama_config
     from sparse_ft.train.activations import reduce_activation_memory
