@@ -6,10 +6,10 @@
 Each measurement runs in a fresh subprocess (nothing an earlier one allocated can hide in its
 heap): the model is built as a recipe builds it (LoRA+ through ``add_adapters``, the activation
 keys, the chunked or the model's loss), AdamW takes one step at 16 tokens so its state exists,
-then one step at N tokens warms up and the next is measured. Two numbers are compared with the
-planner's: the static memory (weights, trainable masters, AdamW's m and v: resident size after
-the optimizer step minus before the model) and the step (gradients and everything a step
-allocates: the peak growth during forward+backward). CUDA: the allocator's counters
+then one step at N tokens warms up (its gradients stay, as under gradient accumulation) and the
+next is measured. Two numbers are compared with the planner's: the static memory (weights,
+trainable masters, their gradients, AdamW's m and v) and the step (the peak growth during
+forward+backward: activations, and the new gradients before they are accumulated). CUDA: the allocator's counters
 (torch.cuda.max_memory_allocated). CPU: the same quantity from torch's profiler, whose memory
 events record every allocation and free of its CPU allocator. Not the resident size: it counts
 pages touched, not bytes allocated. glibc kept the pages of the tiny model's freed 1 MiB
@@ -39,8 +39,9 @@ FEATURES = {  # name -> recipe train keys
     "no ckpt": dict(gradient_checkpointing=False),
 }
 CASES = {
-    "cpu": [("tiny", 4, p, f, 8192) for p in ("full", "scca_flow") for f in ("ckpt", "ckpt+tile+offload")]
-           + [("llama2-7b", 1, p, "ckpt", 1024) for p in ("scca_flow", "full")],
+    "cpu": [("llama2-7b", 1, "scca_flow", "ckpt", 1024)]
+           + [("tiny", 4, p, "ckpt", 8192) for p in ("scca_flow", "full")]
+           + [("tiny", 4, "scca_flow", "ckpt+tile+offload", 8192), ("llama2-7b", 1, "full", "ckpt", 1024)],
     "quick": [("tiny", 4, "scca_flow", "ckpt", 4096), ("llama2-7b", 1, "scca_flow", "ckpt", 1024)],
     "gpu": [("llama2-7b", 2, p, f, n) for f in ("ckpt", "ckpt+tile+offload") for p in ("full", "scca_flow", "s2")
             for n in (8192, 32768)],
@@ -65,14 +66,13 @@ def setup_for(model: str, layers: int, pattern: str, feature: str, *, dtype: str
 
 
 def predicted(setup, n: int) -> tuple[float, float]:
-    """(static, step) bytes as the measurement splits them: the step allocates the gradients
-    (4 B per trainable) and the activations; the static part holds the rest."""
+    """(static, step) bytes as the measurement splits them: the static part holds weights,
+    trainable masters, their gradients (kept from the warm-up step, as under gradient
+    accumulation) and AdamW's state; the step what a step allocates on top."""
     from sparse_ft.plan import memory
 
-    parts = memory.components(setup, n)
-    trainable = sum(memory.trainable_params(setup).values())
-    static = sum(memory.weights(setup).values()) + sum(memory.optimizer_state(setup).values()) - 4 * trainable
-    return static, sum(parts.values()) - static
+    static = sum(memory.weights(setup).values()) + sum(memory.optimizer_state(setup).values())
+    return static, memory.peak(setup, n) - static
 
 
 def measure_child(spec: dict) -> dict:
@@ -120,22 +120,23 @@ def measure_child(spec: dict) -> dict:
         step(16)
         optimizer.step()
         model.zero_grad(set_to_none=True)
-        return model, trainable, step
+        return model, trainable, step, optimizer
 
     build("tiny", 1, 64)  # loads the code every later step runs (lazy imports, kernels) before measuring
     gc.collect()
     if device.type == "cuda":
         before = held_bytes(device)
-        model, trainable, step = build(spec["model"], spec["layers"], spec["n"])
-        static_bytes = held_bytes(device) - before
+        model, trainable, step, optimizer = build(spec["model"], spec["layers"], spec["n"])
         step(spec["n"])
+        static_bytes = held_bytes(device) - before
         peak = PeakMemory(device)
         with peak.measure():
             step(spec["n"])
         step_bytes = peak.mib * MIB
     else:
-        (model, trainable, step), _, static_bytes = allocated(lambda: build(spec["model"], spec["layers"], spec["n"]))
-        step(spec["n"])
+        (model, trainable, step, optimizer), _, built = allocated(lambda: build(spec["model"], spec["layers"], spec["n"]))
+        _, _, gradients = allocated(lambda: step(spec["n"]))
+        static_bytes = built + gradients
         _, step_bytes, _ = allocated(lambda: step(spec["n"]))
     static_mib, step_mib = static_bytes / MIB, step_bytes / MIB
     return {"static_mib": static_mib, "step_mib": step_mib,

@@ -56,13 +56,13 @@ class ModelShape:
         return replace(self, layers=layers, source=f"{self.source}, cut to {layers} layers")
 
 
-def _hf(layers, hidden, heads, kv_heads, intermediate, vocab, repo) -> ModelShape:
+def _hf(repo: str, *, layers: int, hidden: int, heads: int, kv_heads: int, intermediate: int, vocab: int) -> ModelShape:
     return ModelShape(layers, hidden, heads, kv_heads, hidden // heads, intermediate, vocab, False,
                       f"built-in table: {repo}/config.json")
 
 
-_LLAMA2_7B = _hf(32, 4096, 32, 32, 11008, 32000, "meta-llama/Llama-2-7b-hf")
-_LLAMA31_8B = _hf(32, 4096, 32, 8, 14336, 128256, "meta-llama/Llama-3.1-8B")
+_LLAMA2_7B = _hf("meta-llama/Llama-2-7b-hf", layers=32, hidden=4096, heads=32, kv_heads=32, intermediate=11008, vocab=32000)
+_LLAMA31_8B = _hf("meta-llama/Llama-3.1-8B", layers=32, hidden=4096, heads=32, kv_heads=8, intermediate=14336, vocab=128256)
 KNOWN: dict[str, ModelShape] = {
     "meta-llama/Llama-2-7b-hf": _LLAMA2_7B,
     "meta-llama/Llama-2-7b-chat-hf": _LLAMA2_7B,
@@ -70,8 +70,10 @@ KNOWN: dict[str, ModelShape] = {
     "meta-llama/Llama-3.1-8B-Instruct": _LLAMA31_8B,
     "meta-llama/Meta-Llama-3.1-8B": _LLAMA31_8B,
     "meta-llama/Meta-Llama-3-8B": _LLAMA31_8B,
-    "mistralai/Mistral-7B-v0.1": _hf(32, 4096, 32, 8, 14336, 32000, "mistralai/Mistral-7B-v0.1"),
-    "Qwen/Qwen2.5-7B": _hf(28, 3584, 28, 4, 18944, 152064, "Qwen/Qwen2.5-7B"),
+    "mistralai/Mistral-7B-v0.1": _hf("mistralai/Mistral-7B-v0.1", layers=32, hidden=4096, heads=32, kv_heads=8,
+                                     intermediate=14336, vocab=32000),
+    "Qwen/Qwen2.5-7B": _hf("Qwen/Qwen2.5-7B", layers=28, hidden=3584, heads=28, kv_heads=4, intermediate=18944,
+                           vocab=152064),
 }
 
 
