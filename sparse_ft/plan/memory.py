@@ -7,8 +7,10 @@ docs/memory.md; scripts/plan_check.py compares them with measurements. Every ter
 the tokens ``t`` a rank holds, except the attention scores of the math kernel.
 
 The step's peak is in the backward of the last decoder layer (every checkpointed input still
-held, that layer recomputed, the gradient of its output flowing) or in the loss's backward (the
-final hidden states and a chunk's logits), whichever holds more: the two never coexist.
+held, that layer recomputed, the gradient of its output flowing), in the loss's backward (the
+final hidden states and a chunk's logits), or at the end of backward, where a trainable
+embedding's new dense gradient exists beside the accumulated one: whichever holds most, as
+they never coexist.
 """
 
 from __future__ import annotations
@@ -184,12 +186,22 @@ def components(setup: Setup, n: int) -> dict[str, float]:
     else:
         layer = s.layers * (layer_working_set(setup, t) + sum(attention_workspace(setup, n).values()))
     final = (8 + r) * t * s.hidden  # the final norm's input and output, which the loss reads
-    loss = final + loss_working_set(setup, t)
-    if layer >= loss:
-        parts["layer recomputed + attention (backward)"] = layer
-    else:
-        parts["final hidden states + loss " + ("chunk" if setup.loss == "chunked" else "logits") + " (backward)"] = loss
+    phases = {"layer recomputed + attention (backward)": layer,
+              "final hidden states + loss " + ("chunk" if setup.loss == "chunked" else "logits") + " (backward)":
+                  final + loss_working_set(setup, t),
+              "embedding's new gradient (end of backward)": embedding_gradient(setup)}
+    name = max(phases, key=phases.get)
+    parts[name] = phases[name]
     return parts
+
+
+def embedding_gradient(setup: Setup) -> float:
+    """A trainable embedding's gradient is dense (``V × H``) and made whole by its backward, the
+    last of the step, before it is added to the accumulated one: fp32 under plain torch (the
+    master's), the model's dtype under DeepSpeed."""
+    if "embed_tokens" not in setup.extra_trainable:
+        return 0.0
+    return (4 if setup.zero_stage == 0 else _act_bytes(setup)) * setup.shape.embedding_params()
 
 
 def host_offload(setup: Setup, n: int) -> float:
