@@ -109,7 +109,8 @@ def test_unknown_hub_model_is_refused_by_name():
 
 
 def test_prediction_matches_a_measured_tiny_step():
-    """One LoRA+ step of the tiny model with gradient checkpointing through scca_flow: the
+    """One LoRA+ step of the tiny model with gradient checkpointing through scca_flow, long
+    enough (4k) for the recomputed layer to be the peak: the
     bytes torch's CPU allocator holds at the step's peak (profiler memory events, as
     scripts/plan_check.py measures) against the planner's prediction."""
     import importlib.util
@@ -119,7 +120,7 @@ def test_prediction_matches_a_measured_tiny_step():
     spec = importlib.util.spec_from_file_location("plan_check", REPO_ROOT / "scripts" / "plan_check.py")
     check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(check)
-    case = dict(model="tiny", layers=4, pattern="scca_flow", feature="ckpt", n=2048, device="cpu", dtype="float32")
+    case = dict(model="tiny", layers=4, pattern="scca_flow", feature="ckpt", n=4096, device="cpu", dtype="float32")
     measured = check.measure_child(case)["step_mib"] * 2**20
-    _, predicted = check.predicted(check.setup_for("tiny", 4, "scca_flow", "ckpt", dtype="float32", device="cpu"), 2048)
-    assert predicted == pytest.approx(measured, rel=0.15)
+    _, predicted = check.predicted(check.setup_for("tiny", 4, "scca_flow", "ckpt", dtype="float32", device="cpu"), 4096)
+    assert predicted == pytest.approx(measured, rel=0.10)
