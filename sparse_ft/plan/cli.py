@@ -40,7 +40,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="the recipe and dotted.key=value overrides, as sparse-ft train takes them")
     parser.add_argument("--gpu-memory", default="80GiB", help="memory of one GPU (comma list: one column each)")
     parser.add_argument("--patterns", default=PATTERNS, help="patterns to plan (comma list); chunks from the recipe")
-    parser.add_argument("--sp", default=None, help="sequence-parallel sizes (comma list; default: the recipe's)")
+    parser.add_argument("--sp", default=None, help="sequence-parallel sizes (comma list; default: the recipe's train.sequence_parallel_size)")
     parser.add_argument("--gpus", type=int, default=None,
                         help="GPUs the run spans (ZeRO's partitions; default: the largest --sp)")
     parser.add_argument("--kernel", choices=["fused", "math"], default="fused",
@@ -49,7 +49,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="fraction of the GPU kept free for the CUDA context, NCCL and fragmentation")
     parser.add_argument("--lengths", default=None,
                         help="sequence lengths to break down by component (comma list; default: model.target_length)")
-    parser.add_argument("--output", type=Path, default=None, help="write the plan as JSON here and markdown beside it")
+    parser.add_argument("--output", type=Path, default=None, help="write the plan as JSON here and markdown beside it (default: the table on stdout only)")
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier --output of sparse-ft")
     parser.set_defaults(func=run, local_rank=None)
 
