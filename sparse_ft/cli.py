@@ -25,6 +25,7 @@ COMMANDS = {
     "pretrain": "sparse_ft.experiment.pretrain",
     "experiment": "sparse_ft.experiment.run",
     "bench": "sparse_ft.bench.cli",
+    "plan": "sparse_ft.plan.cli",
 }
 
 
