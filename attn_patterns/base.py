@@ -10,7 +10,7 @@ the mask_mod ``rule`` instead.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -85,6 +85,12 @@ class Pattern:
         if (offset, total) not in views:
             views[(offset, total)] = HeadSlice(self, offset, total)
         return views[(offset, total)]
+
+    def packed_kernel(self, q: torch.Tensor) -> Optional[Callable[..., torch.Tensor]]:
+        """A kernel computing sequences laid end to end in one call, ``kernel(q, k, v, *,
+        lengths)`` on (T,H,D) tokens, where this pattern has one for q's device, dtype and
+        backend (``causal`` on flash-attn's varlen kernel); None: each sequence runs alone."""
+        return None
 
     # --- derived from the rule ------------------------------------------------------------
     def check_heads(self, num_heads: int) -> None:

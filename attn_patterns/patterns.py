@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from attn_patterns.base import PATTERNS, Keys, Pattern, chunk_size, register
 from attn_patterns.checks import check_int
-from attn_patterns.kernels import BACKENDS, block_attention, chunk, unchunk
+from attn_patterns.kernels import BACKENDS, block_attention, causal_varlen, chunk, resolve_backend, unchunk
 
 
 def _one_block(x: torch.Tensor) -> torch.Tensor:
@@ -67,6 +67,9 @@ class Causal(_Builtin):
 
     def forward(self, q, k, v, backend):
         return causal_attention(q, k, v, backend)
+
+    def packed_kernel(self, q):
+        return causal_varlen if resolve_backend(self.backend, q) == "flash" else None
 
 
 class _Chunked(_Builtin):

@@ -5,6 +5,9 @@
 #   scripts/gpu_bench.sh part1   # machine and versions, the GPU tests, attention kernels (sdpa, flex, flash if importable)
 #   scripts/gpu_bench.sh part2   # training step of the 1B Llama at 8k, 16k, 32k (sdpa, then flex)
 #   scripts/gpu_bench.sh part3   # DCA prefill 8k-64k vs SDPA's flash kernel; eval NF4 vs bf16 at 8k
+#   scripts/gpu_bench.sh part4   # issue 22: the memory planner against torch.cuda.max_memory_allocated
+#                                # (Llama-2-7B widths cut to 2 layers, 8k and 32k), and peak memory and
+#                                # tokens/s of a step with each memory feature (1B Llama, 8k-32k)
 #
 # Every step has its own time cap (each part under 8.5 minutes in all); a capped step keeps the rows it measured (the JSON says
 # "complete": false). Results: results/bench/<name>-<gpu>.{json,md}, the machine in
@@ -22,7 +25,7 @@ cd "$(dirname "$0")/.."
 PART=${1:-}
 PY=${PYTHON:-python3}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-case "$PART" in part1|part2|part3) ;; *) echo "usage: scripts/gpu_bench.sh part1|part2|part3" >&2; exit 2 ;; esac
+case "$PART" in part1|part2|part3|part4) ;; *) echo "usage: scripts/gpu_bench.sh part1|part2|part3|part4" >&2; exit 2 ;; esac
 
 if compgen -G ".whl/*.whl" >/dev/null; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
@@ -98,6 +101,16 @@ part3() {
     else
         echo "== eval-nf4: not run, bitsandbytes does not import (carry its wheel in .whl/, see the top of this file)"
     fi
+}
+
+part4() {
+    WROTE+=("$RES/plan-check-$GPU.json" "$RES/plan-check-$GPU.md" "$RES/memory-$GPU.json" "$RES/memory-$GPU.md")
+    step 280 plan-check "$PY" scripts/plan_check.py --device cuda --cases gpu --output "$RES/plan-check-$GPU.json" \
+        | tee "$RES/plan-check-$GPU.md"
+    local features="baseline (model loss),chunked loss,chunked + offload,chunked + tiled MLP"
+    imports bitsandbytes && features="$features,chunked + NF4,all"
+    step 220 bench-memory "$PY" scripts/bench_memory.py --device cuda --model 1b --lengths 8192,16384,32768 \
+        --patterns full,scca_flow,s2 --features "$features" --output "$RES/memory-$GPU.json" --overwrite
 }
 
 exec > >(tee "$LOG") 2>&1

@@ -13,7 +13,7 @@ trap 'rm -rf "$work"' EXIT
 pip=("$work/venv/bin/python" -m pip --disable-pip-version-check -q)
 "${pip[@]}" install --upgrade pip setuptools wheel
 "${pip[@]}" install "$TORCH_SPEC"
-"${pip[@]}" install ".[dev]"
+"${pip[@]}" install ".[dev,harness]"
 "${pip[@]}" check
 out=requirements/lock-cpu.txt
 {

@@ -17,7 +17,7 @@ log=$(mktemp)
 trap 'rm -f "$torch_pin" "$log"' EXIT
 echo "${TORCH_SPEC:-$(grep '^torch==' "$LOCK")}" > "$torch_pin"
 "${pip[@]}" install --upgrade pip setuptools wheel
-"${pip[@]}" install --upgrade --upgrade-strategy eager -c "$torch_pin" -e ".[dev]"
+"${pip[@]}" install --upgrade --upgrade-strategy eager -c "$torch_pin" -e ".[dev,harness]"
 status=0
 "$venv/bin/python" -m pytest -q "$@" 2>&1 | tee "$log" || status=$?
 echo

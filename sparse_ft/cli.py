@@ -15,7 +15,7 @@ import signal
 import sys
 from typing import Optional
 
-from sparse_ft import __version__
+from sparse_ft import __version__, console
 from sparse_ft.train.stopping import RunStopped
 
 COMMANDS = {
@@ -25,6 +25,7 @@ COMMANDS = {
     "pretrain": "sparse_ft.experiment.pretrain",
     "experiment": "sparse_ft.experiment.run",
     "bench": "sparse_ft.bench.cli",
+    "plan": "sparse_ft.plan.cli",
 }
 
 
@@ -47,15 +48,27 @@ class Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
 
+def add_verbosity(parser: argparse.ArgumentParser, default: object = console.NORMAL) -> None:
+    """``-q`` / ``-v`` (``sparse_ft.console``); a sub-command's copy has no default, so that
+    ``sparse-ft -q train`` and ``sparse-ft train -q`` mean the same."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("-q", "--quiet", dest="verbosity", action="store_const", const=console.QUIET, default=default,
+                       help="results, warnings and errors only: no run summary, no progress bars")
+    group.add_argument("-v", "--verbose", dest="verbosity", action="store_const", const=console.VERBOSE, default=default,
+                       help="also the full resolved recipe of a run, and every library warning (none filtered)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="sparse-ft", description="Extend the context of RoPE language models: "
                     "sparse-attention LoRA fine-tuning, training-free methods, one evaluation path.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    add_verbosity(parser)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module_name in COMMANDS.items():
         module = importlib.import_module(module_name)
         command = sub.add_parser(name, help=module.HELP, description=module.HELP)
         command.set_defaults(prog=command.prog)
+        add_verbosity(command, argparse.SUPPRESS)
         module.configure(command)
     return parser
 
@@ -65,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
     OSError names it) is one line on stderr and exit 2; a training run that stopped on purpose
     (a stop signal, a divergence) is its one line and its own code (``sparse_ft.train.stopping``),
     Ctrl-C anywhere else one line and 130."""
+    console.set_verbosity(args.verbosity)
     try:
         return int(args.func(args) or 0)
     except (ValueError, OSError) as err:
@@ -103,6 +117,7 @@ def script(name: str, prog: str, argv: Optional[list[str]] = None) -> int:
     module = importlib.import_module(COMMANDS[name])
     parser = Parser(prog=prog, description=module.HELP)
     parser.set_defaults(prog=prog)
+    add_verbosity(parser)
     module.configure(parser)
     return run(parse(parser, argv))
 

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # module): a module may import its own group and lower layers, never a group beside it or a
 # layer above. sparse_ft.modeling.attention sits below sparse_ft.methods: the seam is one-way.
 LAYERS = [
-    [("attn_patterns",)],
+    [("attn_patterns",), ("sparse_ft.console",)],
     [("sparse_ft.modeling.families",)],
     [("sparse_ft.modeling.rope",), ("sparse_ft.modeling.tiny",), ("sparse_ft.modeling.quantization",),
      ("sparse_ft.modeling.dtypes",), ("sparse_ft.modeling.attention",), ("sparse_ft.files.outputs",),
@@ -33,7 +33,8 @@ LAYERS = [
     [("sparse_ft.methods",)],
     [("sparse_ft.modeling.model_io",), ("sparse_ft.data",)],
     [("sparse_ft.config",)],
-    [("sparse_ft.evaluation",), ("sparse_ft.train",)],
+    [("sparse_ft.evaluation",)],
+    [("sparse_ft.train",)],  # validation during training runs the evaluation tasks
 ]
 
 

@@ -142,18 +142,6 @@ def test_a_4d_causal_padding_mask_is_read_like_the_2d_one_and_others_are_refused
         model(ids, attention_mask=documents)
 
 
-def test_inner_padding_and_packed_positions_are_refused():
-    model = use_attention(build("llama"), "s2")
-    ids = ids_of((1, 24))
-    holes = torch.ones_like(ids)
-    holes[0, 10:12] = 0
-    with pytest.raises(ValueError, match="padding between real tokens"):
-        model(ids, attention_mask=holes)
-    packed = torch.cat([torch.arange(12), torch.arange(12)])[None]
-    with pytest.raises(ValueError, match="packed documents"):
-        model(ids, position_ids=packed)
-
-
 def test_two_models_use_their_own_patterns():
     a, b = use_attention(build("llama"), "s2"), use_attention(build("llama"), "sda", dilation=4)
     ids = ids_of((1, 24))

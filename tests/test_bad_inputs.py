@@ -54,6 +54,18 @@ CUT_SHORT = [("model.safetensors", b"\x10\x00\x00\x00\x00\x00\x00\x00{}")]
 
 # overrides (DATA: the path the data column returns, else the test's directory), data, message
 CASES = {
+    "quantization unknown": (
+        ["model.quantization=nf8"], None, r"recipe key model.quantization='nf8' is invalid: allowed: none, nf4$"),
+    "nf4 under ZeRO-3": (
+        ["model.quantization=nf4", "deepspeed=zero3_cpu_fp32"], None,
+        r"recipe key model.quantization='nf4' is invalid: deepspeed config zero3_cpu_fp32 is ZeRO-3, .*; use a ZeRO-2 config"),
+    "loss unknown": (["train.loss=fused"], None, r"recipe key train.loss='fused' is invalid: allowed: chunked, model$"),
+    "offload without checkpointing": (
+        ["train.offload_activations=true", "train.gradient_checkpointing=false"], None,
+        r"recipe key train.offload_activations=True is invalid: offloads the layer inputs gradient checkpointing keeps; "
+        r"set train.gradient_checkpointing=true$"),
+    "mlp tiles negative": (["train.mlp_tile_tokens=-1"], None, r"recipe key train.mlp_tile_tokens=-1 is invalid: must be >= 0$"),
+    "loss chunk of no tokens": (["train.loss_chunk_tokens=0"], None, r"recipe key train.loss_chunk_tokens=0 is invalid: must be >= 1$"),
     "resume not auto/never/a checkpoint": (
         ["train.resume=maybe"], None,
         r"recipe key train.resume='maybe' is invalid: allowed: auto, never, or a checkpoint-N directory with meta.json; no such directory"),
@@ -101,12 +113,37 @@ CASES = {
     "sequence parallelism not dividing the sequence": (
         ["deepspeed=zero3_cpu_fp32", "train.sequence_parallel_size=2", "data.seq_len=511"], None,
         r"train.sequence_parallel_size=2 is invalid: must divide the sequence length data.seq_len=511"),
+    "unknown packing": (
+        ["data.packing=tight"], None, r"recipe key data.packing='tight' is invalid: allowed: blocks, padding_free"),
     "sequence parallelism not dividing the heads": (
         ["deepspeed=zero3_cpu_fp32", "train.sequence_parallel_size=16"], None,
         r"train.sequence_parallel_size=16 is invalid: must divide the model's num_attention_heads=8"),
     "sequence parallelism not dividing the processes": (
         ["deepspeed=zero3_cpu_fp32", "train.sequence_parallel_size=2"], None,
         r"train.sequence_parallel_size=2 is invalid: must divide the number of processes, 1 \(data parallelism"),
+    "validation task unknown": (
+        ["validation.every_steps=2", "validation.tasks=[perplexity]"], None,
+        r"recipe key validation.tasks=\['perplexity'\] is invalid: entries allowed: ppl, passkey, ruler, "),
+    "validation task parameter unknown": (
+        ["validation.at_end=true", "validation.data=DATA", "validation.params={ppl: {windows: 2}}"], jsonl(TINY_LINE + "\n"),
+        r"recipe key validation.params.ppl=\{'windows': 2\} is invalid: ppl: parameter\(s\) windows unknown; allowed: lengths, "),
+    "validation parameters of a task not run": (
+        ["validation.at_end=true", "validation.data=DATA", "validation.params={passkey: {trials: 2}}"], jsonl(TINY_LINE + "\n"),
+        r"recipe key validation.params.passkey=\{'trials': 2\} is invalid: a mapping of parameters of a task in validation.tasks \(ppl\)"),
+    "validation ppl without held-out data": (
+        ["validation.every_steps=2"], None, r"recipe key validation.data=None is invalid: the held-out data ppl scores: "),
+    "validation held-out file missing": (
+        ["validation.every_steps=2", "validation.data=DATA/held_out.jsonl"], None,
+        r"recipe key validation.data='.*/held_out.jsonl' is invalid: .*held_out.jsonl does not exist"),
+    "validation steps negative": (["validation.every_steps=-1"], None, r"recipe key validation.every_steps=-1 is invalid: must be >= 0"),
+    "validation attention unknown": (
+        ["validation.attention=s2"], None, r"recipe key validation.attention='s2' is invalid: allowed: full, training"),
+    "validation generating under ZeRO-3": (
+        ["deepspeed=zero3_cpu_fp32", "validation.at_end=true", "validation.tasks=[passkey]"], None,
+        r"recipe key validation.tasks=\['passkey'\] is invalid: under ZeRO-3 \(deepspeed=zero3_cpu_fp32\) only ppl: passkey generate"),
+    "validation length the training pattern refuses": (
+        ["validation.at_end=true", "validation.tasks=[passkey]", "validation.attention=training", "validation.lengths=[3]"], None,
+        r"recipe key validation.lengths=\[3\] is invalid: .* \(passkey through validation.attention=training: scca_flow\)"),
     "flash in float32": (
         ["attention.backend=flash"], None,
         r"recipe key attention.backend='flash' is invalid: flash-attn computes in float16/bfloat16 only and model.dtype is float32"),

@@ -37,7 +37,7 @@ def test_params_merge_and_a_new_pattern_starts_from_its_defaults():
     [
         (["train.lrr=1"], r"unknown recipe key train.lrr \(did you mean train.lr\?\); allowed in train: output_dir, max_steps"),
         (["model.dtyp=float16"], r"unknown recipe key model.dtyp \(did you mean model.dtype\?\)"),
-        (["bogus=1"], r"unknown recipe key bogus; allowed in the recipe: model, attention, lora, data, train, deepspeed"),
+        (["bogus=1"], r"unknown recipe key bogus; allowed in the recipe: model, attention, lora, data, train, validation, deepspeed"),
         (["model.dtype=fp8"], r"model.dtype='fp8' is invalid: allowed: float32, float16, bfloat16"),
         (["model.rope_method=ntk"], r"model.rope_method='ntk' is invalid: allowed: linear, dynamic, yarn"),
         (["attention.backend=triton"], r"attention.backend='triton' is invalid: allowed: None, auto, sdpa, flash, flex"),

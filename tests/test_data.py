@@ -13,7 +13,7 @@ from sparse_ft.modeling.tiny import tiny_tokenizer
 
 def cfg(tmp_path, source, **kw):
     base = dict(source=str(source), split="train", text_column="text", min_tokens=0, cache_dir=str(tmp_path / "cache"),
-                streaming=False, max_documents=None)
+                streaming=False, max_documents=None, packing="blocks")
     return SimpleNamespace(**{**base, **kw})
 
 

@@ -392,7 +392,7 @@ def test_generate_with_dca_matches_greedy_prefill(variant):
     assert torch.equal(out, seq)
 
 
-def test_right_padded_batch_equals_single_sequences():
+def test_padded_batch_equals_single_sequences():
     model = tiny_llama(max_position_embeddings=32)
     use_attention(model, "dca")
     g = torch.Generator().manual_seed(5)
@@ -403,8 +403,12 @@ def test_right_padded_batch_equals_single_sequences():
     out = _logits(model, batch, attention_mask=mask)
     torch.testing.assert_close(out[0], _logits(model, a)[0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out[1, :57], _logits(model, b)[0], atol=1e-5, rtol=1e-5)
-    with pytest.raises(ValueError, match="right padding"):
-        _logits(model, batch, attention_mask=mask.flip(-1))
+    left = torch.stack((a[0], torch.cat((torch.zeros(23, dtype=torch.long), b[0]))))  # as generate pads
+    positions = (mask.flip(-1).cumsum(-1) - 1).clamp(min=0)
+    out = _logits(model, left, attention_mask=mask.flip(-1), position_ids=positions)
+    torch.testing.assert_close(out[1, 23:], _logits(model, b)[0], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"position_ids\[1, 23\]=23 but that token is number 0 of its sequence"):
+        _logits(model, left, attention_mask=mask.flip(-1))
 
 
 def test_length_dependent_rope_is_refused():
@@ -422,12 +426,13 @@ def test_bf16_follows_fp32():
     torch.testing.assert_close(out.float(), p(q, k, v), atol=3e-2, rtol=3e-2)
 
 
-def test_packed_positions_are_refused():
+def test_positions_not_counted_from_the_first_token_are_refused():
+    """DCA moves keys from their index to other positions: a sequence rotated elsewhere would
+    be computed wrong, silently. (Packed documents, restarting at 0: tests/test_packed_sequences.py.)"""
     model = tiny_llama(max_position_embeddings=32)
     use_attention(model, "dca")
-    packed = torch.cat((torch.arange(10), torch.arange(10)))[None]
-    with pytest.raises(ValueError, match="position_ids"):
-        _logits(model, torch.randint(3, 300, (1, 20)), position_ids=packed)
+    with pytest.raises(ValueError, match=r"position_ids\[0, 0\]=5 but that token is number 0 of its sequence"):
+        _logits(model, torch.randint(3, 300, (1, 20)), position_ids=torch.arange(5, 25)[None])
 
 
 # --- a model that ships DCA: Qwen's dual_chunk_attention_config -------------------------------

@@ -23,7 +23,8 @@ def _name(text: str) -> str:
 
 def test_every_dependency_is_pinned_inside_its_range():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    wanted = [Requirement(r) for r in project["dependencies"] + project["optional-dependencies"]["dev"]]
+    extras = project["optional-dependencies"]
+    wanted = [Requirement(r) for r in project["dependencies"] + extras["dev"] + extras["harness"]]
     assert "torch" in {r.name for r in wanted} and all("==" not in str(r) for r in wanted)  # users bring their torch
     outside = [f"{r} (lock {LOCK.get(_name(r.name))})" for r in wanted if LOCK.get(_name(r.name)) not in r.specifier]
     assert not outside, f"pins outside pyproject.toml's ranges or missing: {outside}"

@@ -223,7 +223,7 @@ def test_passkey_through_evaluation_path():
     assert cells[0]["prompt_tokens"] > 256  # beyond the tiny model's pretraining length
 
 
-def test_right_padded_batch_equals_unpadded(long_model):
+def test_padded_batch_equals_unpadded(long_model):
     g = torch.Generator().manual_seed(6)
     a, b = torch.randint(3, 259, (1, 66), generator=g), torch.randint(3, 259, (1, 45), generator=g)
     batch = torch.cat((a, torch.cat((b, torch.zeros(1, 21, dtype=torch.long)), 1)))
@@ -233,8 +233,13 @@ def test_right_padded_batch_equals_unpadded(long_model):
         padded = long_model(batch, attention_mask=mask).logits
         alone = long_model(b).logits
     torch.testing.assert_close(padded[1, :45], alone[0], atol=1e-5, rtol=1e-5)
-    with pytest.raises(ValueError, match="right padding only"):
-        long_model(batch, attention_mask=mask.flip(1))
+    left = torch.stack((a[0], torch.cat((torch.zeros(21, dtype=torch.long), b[0]))))  # as generate pads
+    positions = (mask.flip(1).cumsum(1) - 1).clamp(min=0)
+    with torch.no_grad():
+        padded = long_model(left, attention_mask=mask.flip(1), position_ids=positions).logits
+    torch.testing.assert_close(padded[1, 21:], alone[0], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="positions must count from each sequence's first real token"):
+        long_model(left, attention_mask=mask.flip(1))
 
 
 def test_previous_chunk_is_kept_by_default_as_the_authors_do():

@@ -1,6 +1,7 @@
 """DeepSpeed Ulysses on two CPU ranks (gloo), launched as the docs say: each sequence split
 over both ranks, each rank attending with half the heads, gives the single-process run's
-per-step losses, gradient norms and adapter for s2, scca_flow and longmixed; a resume from
+per-step losses, gradient norms and adapter for s2, scca_flow and longmixed, and for
+scca_flow on padding-free packed documents; a resume from
 a checkpoint whose position falls inside the adapter's round of batches continues that curve,
 and so does one in a single process without sequence parallelism.
 One launch trains all of them (each launch costs ~30 s here): run as a script, this module is
@@ -31,6 +32,22 @@ def recipe_args(out: Path, cache: Path, pattern: str, *extra: str) -> list[str]:
     return overrides(out, cache, f"attention.pattern={pattern}", *SETTINGS, *extra)
 
 
+# one more run: padding-free packing of short documents (DeepSpeed gathers the restarting
+# positions after its all-to-all, so each rank's heads see the documents as documents)
+PADDING_FREE = "scca_flow-padding_free"
+
+
+def short_documents(root: Path) -> Path:
+    return root / "short.jsonl"
+
+
+def run_args(out: Path, cache: Path, run: str, *extra: str) -> list[str]:
+    if run != PADDING_FREE:
+        return recipe_args(out, cache, run, *extra)
+    return recipe_args(out, cache, "scca_flow", "data.packing=padding_free", f"data.source={short_documents(out.parents[1])}",
+                       "data.min_tokens=0", *extra)
+
+
 def records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
@@ -45,15 +62,17 @@ def test_ulysses_two_ranks_train_exactly_like_one_process_and_resume(tmp_path):
     from sparse_ft.train.trainer import train
 
     cache = tmp_path / "cache"
+    short_documents(tmp_path).write_text(
+        "".join(json.dumps({"text": f"document {i}: " + "word " * (8 + i % 37)}) + "\n" for i in range(64)))
     launcher = Path(sys.executable).parent / "deepspeed"
     argv = [str(launcher), "--num_gpus", "2", "--master_port", str(free_port()), str(Path(__file__)), str(tmp_path), str(cache)]
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert f"resumed from {tmp_path / 'sp' / RESUMED / 'checkpoint-1'} at step 1" in done.stdout
 
-    for pattern in PATTERNS:
+    for pattern in (*PATTERNS, PADDING_FREE):
         single = tmp_path / "single" / pattern
-        train(load_recipe("tiny", recipe_args(single, cache, pattern, "deepspeed=null")))
+        train(load_recipe("tiny", run_args(single, cache, pattern, "deepspeed=null")))
         sp = tmp_path / "sp" / pattern
         assert json.loads((sp / "train_summary.json").read_text())["world_size"] == 2
         runs = [sp / "uninterrupted.jsonl", sp / "log.jsonl"] if pattern == RESUMED else [sp / "log.jsonl"]
@@ -88,12 +107,12 @@ def _ranks_main(root: Path, cache: Path) -> None:
     from sparse_ft.train.trainer import train
 
     def run(pattern: str) -> None:
-        train(load_recipe("tiny", recipe_args(root / "sp" / pattern, cache, pattern, "train.sequence_parallel_size=2")))
+        train(load_recipe("tiny", run_args(root / "sp" / pattern, cache, pattern, "train.sequence_parallel_size=2")))
         # a run owns its process; the next one here makes its own SP groups and ZeRO-3 config
         parallel_state_sp._release_sequence_parallel_groups()
         unset_hf_deepspeed_config()
 
-    for pattern in PATTERNS:
+    for pattern in (*PATTERNS, PADDING_FREE):
         run(pattern)
     out = root / "sp" / RESUMED
     if dist.get_rank() == 0:  # as if killed after step 1

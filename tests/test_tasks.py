@@ -33,7 +33,7 @@ def test_the_registry_refuses_a_taken_name_and_lists_every_task_as_a_command():
     with pytest.raises(ValueError, match=r"task name 'passkey' is already taken by "
                                          r"sparse_ft\.evaluation\.tasks\.passkey\.Passkey; .*Shadow"):
         tasks.register(Shadow)
-    assert tasks.names() == ["ppl", "passkey", "ruler", *RULER_TASKS]
+    assert tasks.names() == ["ppl", "passkey", "ruler", *RULER_TASKS, "harness"]
     from sparse_ft.cli import build_parser
 
     eval_parser = build_parser()._subparsers._group_actions[0].choices["eval"]

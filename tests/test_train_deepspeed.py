@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from helpers_train import assert_adapter_reproduces_probe, losses, overrides
+from helpers_train import assert_adapter_reproduces_probe, losses, overrides, write_held_out
 from sparse_ft.files.outputs import RUN_LOCK
 from sparse_ft.train import checkpoint
 
@@ -47,12 +47,21 @@ def launch(out: Path, cache: Path, *extra: str, gpus: int = 2) -> subprocess.Com
     return done
 
 
+def validations(out: Path) -> list[tuple[int, str]]:
+    records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    return [(r["step"], r["task"]) for r in records if r.get("kind") == "validation"]
+
+
 @pytest.fixture(scope="module")
 def zero3(tmp_path_factory):
-    """One uninterrupted two-process ZeRO-3 run: its directory, token cache and losses."""
+    """One uninterrupted two-process ZeRO-3 run, validating every two steps (both ranks take
+    part in each forward, rank 0 logs): its directory, token cache and losses. The runs
+    compared with it validate nothing: validation must not change the losses. The loss's head
+    runs over 96-token chunks (its partitioned weight gathered for each, forward and backward)."""
     root = tmp_path_factory.mktemp("zero3")
-    out, cache = root / "ds", root / "cache"
-    launch(out, cache)
+    out, cache, held_out = root / "ds", root / "cache", root / "held_out.jsonl"
+    launch(out, cache, "train.loss_chunk_tokens=96", "validation.every_steps=2", f"validation.data={write_held_out(held_out)}",
+           "validation.params={ppl: {max_windows: 2}}")
     return out, cache, losses(out)
 
 
@@ -67,6 +76,7 @@ def test_two_process_deepspeed_zero3_on_cpu_saves_a_complete_adapter_and_resumes
     assert meta["base_fingerprint"] == fingerprint(str(out / "base-model"))
     assert meta["rope_parameters"]["factor"] == 2.0 and meta["max_position_embeddings"] == 512
     assert len(first) == 4
+    assert validations(out) == [(2, "ppl"), (4, "ppl")]
 
     # relaunch into the same directory: the final checkpoint-4 truncated (rank 0 names it and
     # falls back to checkpoint-2, the other rank follows) and a half-written one ignored
@@ -80,7 +90,15 @@ def test_two_process_deepspeed_zero3_on_cpu_saves_a_complete_adapter_and_resumes
     assert f"skipping checkpoint-4: {trainable}: 100 bytes, meta.json recorded" in done.stdout
     assert f"resumed from {out / 'checkpoint-2'} at step 2" in done.stdout
     assert losses(out) == pytest.approx(first, abs=1e-5)
+    assert validations(out) == [(2, "ppl")]  # kept by checkpoint-2; the relaunch validates nothing
     assert_adapter_reproduces_probe(out)
+
+
+@pytest.mark.slow
+def test_zero3_chunked_loss_trains_as_the_models_own_loss(zero3, tmp_path):
+    out, cache, chunked = zero3
+    launch(tmp_path / "model_loss", cache, "train.loss=model")
+    assert losses(tmp_path / "model_loss") == pytest.approx(chunked, abs=1e-5)
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from typing import Callable, Iterator, Optional
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from sparse_ft.modeling.dtypes import SHORT_NAMES as DTYPE_NAMES  # the benchmarks' --dtype values -> recipe names
 from sparse_ft.modeling.dtypes import torch_dtype
@@ -38,6 +39,32 @@ def _rss_kib(field: str) -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1])
     return 0
+
+
+def held_bytes(device: torch.device) -> int:
+    """Bytes held now: the CUDA allocator's, or (CPU) the process's resident size once freed
+    heap went back to the OS (what a model and its optimizer state occupy, measured as the
+    difference of two calls)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        return torch.cuda.memory_allocated(device)
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    return _rss_kib("VmRSS") * 1024
+
+
+def allocated(fn: Callable[[], object]) -> tuple[object, int, int]:
+    """``fn()``, the peak growth and the net growth of the bytes torch's CPU allocator holds
+    while it runs: the profiler's memory events (allocations attributed to the op that made
+    them, frees outside ops as ``[memory]`` events) summed in time order. Transients allocated
+    and freed inside one op are not seen."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    held = peak = 0
+    for _, change in sorted((e.time_range.start, e.self_cpu_memory_usage) for e in prof.events()
+                            if e.self_cpu_memory_usage):
+        held += change
+        peak = max(peak, held)
+    return result, peak, held
 
 
 class PeakMemory:

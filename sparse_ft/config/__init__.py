@@ -10,12 +10,13 @@ JSON a recipe names; ``paths``: where recipes and DeepSpeed configs live.
 
 from sparse_ft.config.deepspeed_file import deepspeed_config_path
 from sparse_ft.config.keyvalue import parse_assignments
-from sparse_ft.config.loader import find_recipe, format_recipe, load_recipe, parse_overrides, recipe_names, save_resolved
+from sparse_ft.config.loader import (find_recipe, format_recipe, load_recipe, parse_overrides, recipe_names, save_resolved,
+                                     summarize_recipe)
 from sparse_ft.config.paths import DS_CONFIG_DIR, RECIPE_DIRS, REPO_ROOT
 from sparse_ft.config.schema import AttentionSection, DataSection, LoraSection, ModelSection, Recipe, TrainSection
 
 __all__ = [
     "DS_CONFIG_DIR", "RECIPE_DIRS", "REPO_ROOT", "AttentionSection", "DataSection", "LoraSection", "ModelSection", "Recipe",
     "TrainSection", "deepspeed_config_path", "find_recipe", "format_recipe", "load_recipe", "parse_assignments",
-    "parse_overrides", "recipe_names", "save_resolved",
+    "parse_overrides", "recipe_names", "save_resolved", "summarize_recipe",
 ]

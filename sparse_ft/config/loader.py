@@ -34,6 +34,7 @@ PATH_KEYS = {
     ("model", "name_or_path"): (),
     ("data", "source"): (".jsonl", ".json", ".parquet", ".txt"),  # what sparse_ft.data.sources reads
     ("deepspeed",): (".json",),
+    ("validation", "data"): (".jsonl", ".json", ".parquet", ".txt", ".bin"),  # what eval ppl --data reads
 }
 
 
@@ -133,7 +134,7 @@ def _read(path: Path, seen: tuple = ()) -> dict:
     except yaml.YAMLError as err:
         raise ValueError(f"recipe {path} is not valid YAML: {_yaml_problem(err)}") from None
     if not isinstance(data, dict):
-        raise ValueError(f"recipe {path} must be a YAML mapping of sections (model, attention, lora, data, train, deepspeed)")
+        raise ValueError(f"recipe {path} must be a YAML mapping of sections (model, attention, lora, data, train, validation, deepspeed)")
     parent = data.pop("inherit", None)
     if parent is not None and (not isinstance(parent, str) or not parent):
         raise ValueError(f"recipe {path}: inherit={parent!r} must name one recipe (a name under recipes/ or a .yaml path)")
@@ -233,6 +234,24 @@ def load_recipe(name_or_path: str, overrides: list[str] = ()) -> Recipe:
 
 def format_recipe(recipe: Recipe) -> str:
     return yaml.safe_dump(recipe.to_dict(), sort_keys=False)
+
+
+def summarize_recipe(recipe: Recipe, steps: int, samples: int) -> str:
+    """A run's recipe in five lines, what a run prints (the whole of it is in
+    ``recipe.resolved.yaml``): the model and its length, the pattern, LoRA, the data and the
+    steps, where it writes."""
+    m, a, lora, d, t = recipe.model, recipe.attention, recipe.lora, recipe.data, recipe.train
+    params = f" {yaml.safe_dump(a.params, default_flow_style=True).strip()}" if a.params else ""
+    trained = f" + {', '.join(lora.extra_trainable)} in full" if lora.extra_trainable else ""
+    return "\n".join([
+        f"recipe {recipe.name}: {m.name_or_path} ({m.dtype}) extended to {m.target_length} tokens, RoPE {m.rope_method}",
+        f"  attention {a.pattern}{params}, backend {a.backend or 'sdpa'}; "
+        f"LoRA r={lora.r} alpha={lora.alpha} on {', '.join(lora.target_modules)}{trained}",
+        f"  data {d.source}: {samples} samples of {recipe.seq_len} tokens ({d.packing})",
+        f"  {steps} steps of {t.per_device_batch_size} x {t.gradient_accumulation_steps} samples per process, "
+        f"lr {t.lr:g} {t.scheduler}, DeepSpeed {recipe.deepspeed or 'off'}",
+        f"  output {t.output_dir} (the whole recipe: {RESOLVED_RECIPE}; -v prints it)",
+    ])
 
 
 def save_resolved(recipe: Recipe, output_dir: str | os.PathLike) -> Path:

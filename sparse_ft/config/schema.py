@@ -25,6 +25,7 @@ class ModelSection:
     target_length: int = 8192
     rope_method: str = "linear"
     trust_remote_code: bool = False
+    quantization: str = "none"  # nf4: a bitsandbytes 4-bit base under the adapters (QLoRA), docs/training.md
     tiny: dict = field(default_factory=dict)  # LlamaConfig overrides for name_or_path=tiny
 
 
@@ -56,6 +57,10 @@ class DataSection:
     cache_dir: str = ".cache/sparse-ft/data"
     streaming: bool = False
     max_documents: Optional[int] = None
+    # blocks: documents joined with EOS and cut into samples, attending across documents;
+    # padding_free: the same samples, positions restarting after each EOS, so that every
+    # document attends to itself alone, with its own pattern (sparse_ft/data/packing.py)
+    packing: str = "blocks"
 
 
 @dataclass
@@ -73,6 +78,12 @@ class TrainSection:
     per_device_batch_size: int = 1
     gradient_accumulation_steps: int = 8
     gradient_checkpointing: bool = True
+    # memory (docs/training.md#memory): the loss's head over chunks of tokens, the checkpointed
+    # layer inputs in CPU memory, each MLP over tiles of the sequence (0: whole)
+    loss: str = "chunked"
+    loss_chunk_tokens: int = 2048
+    offload_activations: bool = False
+    mlp_tile_tokens: int = 0
     # DeepSpeed Ulysses: each sequence split over this many ranks, each attending with H/sp heads
     sequence_parallel_size: int = 1
     max_grad_norm: float = 1.0
@@ -86,6 +97,23 @@ class TrainSection:
     overwrite_output_dir: bool = False
     resume_allow_changes: list[str] = field(default_factory=list)  # RESUME_KEYS (or world_size) a resume may find changed
     report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
+    # W&B's project, entity, name, group, tags: each key given wins over its WANDB_* variable (metrics.py)
+    wandb: dict = field(default_factory=dict)
+
+
+@dataclass
+class ValidationSection:
+    """Evaluation while training (sparse_ft/train/validation.py); off unless every_steps or
+    at_end. It never changes training, so no key of it is a resume key."""
+
+    every_steps: int = 0  # validate after every N optimizer steps; 0: never during training
+    at_end: bool = False  # also after the last step
+    tasks: list[str] = field(default_factory=lambda: ["ppl"])  # names of sparse_ft.evaluation.tasks
+    params: dict = field(default_factory=dict)  # a task's parameters by its name, e.g. {passkey: {trials: 2}}
+    lengths: list[int] = field(default_factory=list)  # default: [model.target_length]
+    attention: str = "full"  # full: as the adapter is used after training; training: the run's pattern
+    data: Optional[str] = None  # held-out text/jsonl/parquet/.bin file or HF dataset id that ppl scores
+    split: str = "validation"  # of an HF dataset id
 
 
 @dataclass
@@ -95,6 +123,7 @@ class Recipe:
     lora: LoraSection = field(default_factory=LoraSection)
     data: DataSection = field(default_factory=DataSection)
     train: TrainSection = field(default_factory=TrainSection)
+    validation: ValidationSection = field(default_factory=ValidationSection)
     deepspeed: Optional[str] = None  # a file in ds_configs/ (name or path), or null
     name: str = ""  # set from the recipe file
 
@@ -109,21 +138,27 @@ class Recipe:
 CHOICES = {
     "model.dtype": DTYPE_NAMES,
     "model.rope_method": tuple(ROPE_METHODS),
+    "model.quantization": ("none", "nf4"),
+    "train.loss": ("chunked", "model"),
     "attention.backend": (None, "auto", "sdpa", "flash", "flex"),
+    "data.packing": ("blocks", "padding_free"),
     "train.scheduler": ("constant", "linear", "cosine"),
     "train.weight_decay_on": ("all", "matrices"),
+    "validation.attention": ("full", "training"),
 }
 POSITIVE = {"model.target_length", "lora.r", "lora.alpha", "train.per_device_batch_size",
-            "train.gradient_accumulation_steps", "train.sequence_parallel_size", "train.save_steps", "train.log_steps", "train.num_epochs"}
-NON_NEGATIVE = {"train.warmup_steps", "train.weight_decay", "data.min_tokens"}
+            "train.gradient_accumulation_steps", "train.sequence_parallel_size", "train.save_steps", "train.log_steps", "train.num_epochs",
+            "train.loss_chunk_tokens"}
+NON_NEGATIVE = {"train.warmup_steps", "train.weight_decay", "data.min_tokens", "validation.every_steps", "train.mlp_tile_tokens"}
 REPORTERS = ("tensorboard", "wandb", "none")
+WANDB_KEYS = {"project": str, "entity": str, "name": str, "group": str, "tags": list}  # train.wandb
 # What a resume must find as the checkpoint recorded it (the model, its adapters and attention, the
 # data and its order, the optimizer and its schedule): a change would continue another run.
-RESUME_KEYS = ("model.name_or_path", "model.dtype", "model.target_length", "model.rope_method", "model.tiny",
+RESUME_KEYS = ("model.name_or_path", "model.dtype", "model.quantization", "model.target_length", "model.rope_method", "model.tiny",
                "attention.pattern", "attention.params", "attention.backend",
                "lora.r", "lora.alpha", "lora.dropout", "lora.target_modules", "lora.extra_trainable",
                "data.source", "data.split", "data.text_column", "data.min_tokens", "data.seq_len", "data.streaming",
-               "data.max_documents", "train.seed", "train.lr", "train.betas", "train.weight_decay", "train.weight_decay_on",
+               "data.max_documents", "data.packing", "train.seed", "train.lr", "train.betas", "train.weight_decay", "train.weight_decay_on",
                "train.scheduler", "train.min_lr_ratio", "train.warmup_steps", "train.max_steps", "train.num_epochs",
                "train.per_device_batch_size", "train.gradient_accumulation_steps", "train.sequence_parallel_size",
                "train.max_grad_norm")
@@ -176,11 +211,17 @@ def validate(recipe: Recipe) -> None:
         fail("train.save_total_limit", train.save_total_limit, "must be >= 1 (checkpoints kept), or 0 to keep every checkpoint")
     if train.save_minutes < 0:
         fail("train.save_minutes", train.save_minutes, "must be > 0 (minutes between checkpoints by the clock), or 0 for none")
+    if train.offload_activations and not train.gradient_checkpointing:
+        fail("train.offload_activations", True, "offloads the layer inputs gradient checkpointing keeps; "
+             "set train.gradient_checkpointing=true")
     if len(train.betas) != 2 or not all(0 <= b < 1 for b in train.betas):
         fail("train.betas", train.betas, "two numbers in [0, 1)")
     for reporter in train.report_to:
         if reporter not in REPORTERS:
             fail("train.report_to", train.report_to, f"entries allowed: {', '.join(REPORTERS)}")
+    for key, value in train.wandb.items():
+        if key not in WANDB_KEYS or not isinstance(value, WANDB_KEYS[key]) or (key == "tags" and not all(isinstance(t, str) for t in value)):
+            fail(f"train.wandb.{key}", value, "keys allowed: project, entity, name, group (each a string), tags (a list of strings)")
     _check_output_dir(recipe)
     if not 0 <= recipe.lora.dropout < 1:
         fail("lora.dropout", recipe.lora.dropout, "must be in [0, 1)")
@@ -194,6 +235,7 @@ def validate(recipe: Recipe) -> None:
     _check_tiny(recipe.model)
     _check_attention(recipe)
     _check_sequence_parallel(recipe)
+    _check_validation(recipe)
     if recipe.deepspeed is not None:
         _check_deepspeed(recipe, read_deepspeed_config(recipe.deepspeed))
 
@@ -227,7 +269,8 @@ def _check_output_dir(recipe: Recipe) -> None:
              "or one holding it")
     try:
         model = None if is_built_in(recipe.model.name_or_path) else recipe.model.name_or_path
-        check_apart(Path(train.output_dir), "train.output_dir", {"data.source": recipe.data.source, "model.name_or_path": model})
+        check_apart(Path(train.output_dir), "train.output_dir", {"data.source": recipe.data.source, "model.name_or_path": model,
+                                                                  "validation.data": recipe.validation.data})
     except ValueError as err:
         raise BadInput(str(err)) from None
     if train.overwrite_output_dir and train.resume != "never":
@@ -306,6 +349,25 @@ def _check_sequence_parallel(recipe: Recipe) -> None:
         fail("train.sequence_parallel_size", sp, f"must divide the sequence length data.seq_len={recipe.seq_len} (each rank holds seq_len / sp tokens)")
 
 
+def _check_validation(recipe: Recipe) -> None:
+    """The validation section's own shape; its task names and parameters need the task
+    registry, a layer above recipes (sparse_ft/train/validation.py checks them)."""
+    v = recipe.validation
+    if not v.tasks or len(set(v.tasks)) < len(v.tasks):
+        fail("validation.tasks", v.tasks, "task names, at least one, each once (e.g. [ppl, passkey])")
+    if any(n < 1 for n in v.lengths):
+        fail("validation.lengths", v.lengths, "positive lengths in tokens, or [] for [model.target_length]")
+    for name, params in v.params.items():
+        if name not in v.tasks or not isinstance(params, dict):
+            fail(f"validation.params.{name}", params, f"a mapping of parameters of a task in validation.tasks ({', '.join(v.tasks)})")
+    if (v.every_steps or v.at_end) and "ppl" in v.tasks and v.data is None:
+        fail("validation.data", None, "the held-out data ppl scores: a text/jsonl/json/parquet file or directory, "
+             "a .bin token file, or an HF dataset id (with validation.split)")
+    if (v.every_steps or v.at_end) and recipe.train.sequence_parallel_size > 1:
+        fail("validation.every_steps" if v.every_steps else "validation.at_end", v.every_steps or v.at_end,
+             "validation does not run under sequence parallelism (train.sequence_parallel_size > 1) yet")
+
+
 def check_sequence_parallel(sp: int, world_size: int, heads: int, kv_heads: int) -> None:
     """DeepSpeed's rules for Ulysses, before anything loads: the world splits into SP groups,
     each rank attends with heads / sp query heads, and K/V heads split the same way or are
@@ -335,6 +397,9 @@ def _check_deepspeed(recipe: Recipe, config: dict) -> None:
     for key, owned in RECIPE_OWNED.items():
         if key in config and not is_auto(config[key]) and config[key] != owned(recipe.train):
             raise BadInput(f"{where} sets {key}={config[key]!r} but the recipe says {owned(recipe.train)!r}; write \"auto\" there")
+    if recipe.model.quantization != "none" and config.get("zero_optimization", {}).get("stage") == 3:
+        fail("model.quantization", recipe.model.quantization, f"{where} is ZeRO-3, which cannot partition bitsandbytes' "
+             "4-bit weights here; use a ZeRO-2 config (zero2_bf16, zero2_fp16) or deepspeed: null")
     trains_in = precision(config)
     if trains_in != recipe.model.dtype:
         fail("model.dtype", recipe.model.dtype, f"{where} trains in {trains_in}; use a matching config or model.dtype={trains_in}")
@@ -343,7 +408,7 @@ def _check_deepspeed(recipe: Recipe, config: dict) -> None:
 def _flatten(data: dict, prefix: str = "") -> dict:
     out = {}
     for key, value in data.items():
-        if isinstance(value, dict) and key not in ("params", "tiny"):
+        if isinstance(value, dict) and key not in ("params", "tiny", "wandb"):
             out.update(_flatten(value, f"{prefix}{key}."))
         else:
             out[prefix + key] = value

@@ -1,5 +1,7 @@
 """Training samples: documents tokenised once, filtered by length, joined with EOS and cut
-into fixed-length samples (labels = inputs; the model shifts them).
+into fixed-length samples (labels = inputs; the model shifts them). ``data.packing`` decides
+whether a sample's documents attend to each other (``blocks``) or each to itself alone
+(``padding_free``: positions restart after each EOS).
 
 The token stream goes to a cache file as it is produced, so a large streamed source never
 sits in memory, and a finished cache is found again by a key over everything that changes
@@ -33,17 +35,24 @@ TOKEN_BYTES = np.dtype(np.int32).itemsize
 
 class TokenBlocks(torch.utils.data.Dataset):
     """Training samples from rows of token ids (samples, seq_len), e.g. a pretraining corpus's
-    blocks (``sparse_ft.experiment.corpus.load_blocks``)."""
+    blocks (``sparse_ft.experiment.corpus.load_blocks``). With ``restart_after`` (the EOS id
+    that ends each document), padding-free packing: positions restart at 0 after it, which
+    the attention reads as document boundaries (each document attends to itself alone, with
+    its own pattern, as transformers' DataCollatorWithFlattening rows do), and a document's
+    first token is no target (nothing before it in its document predicts it)."""
 
-    def __init__(self, samples: np.ndarray) -> None:
-        self.samples = samples
+    def __init__(self, samples: np.ndarray, restart_after: Optional[int] = None) -> None:
+        self.samples, self.restart_after = samples, restart_after
 
     def __len__(self) -> int:
         return len(self.samples)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         ids = torch.from_numpy(np.array(self.samples[index], dtype=np.int64))
-        return {"input_ids": ids, "labels": ids}
+        if self.restart_after is None:
+            return {"input_ids": ids, "labels": ids}
+        return {"input_ids": ids, "labels": ids.masked_fill(document_starts(ids, self.restart_after), -100),
+                "position_ids": restarting_positions(ids, self.restart_after)}
 
     def sha256(self) -> str:
         """The samples' content, which a checkpoint records so that a resume on other data is
@@ -51,12 +60,26 @@ class TokenBlocks(torch.utils.data.Dataset):
         return hashlib.sha256(np.ascontiguousarray(self.samples).data).hexdigest()
 
 
+def document_starts(ids: torch.Tensor, end: int) -> torch.Tensor:
+    """True on the tokens that follow ``end`` (a document's first token; the sample's first
+    token continues a document cut by the previous sample, or starts one)."""
+    return torch.nn.functional.pad(ids[:-1] == end, (1, 0))
+
+
+def restarting_positions(ids: torch.Tensor, end: int) -> torch.Tensor:
+    """Positions counting from 0 at the sample's start and after every ``end`` token."""
+    index = torch.arange(len(ids))
+    starts = document_starts(ids, end)
+    starts[0] = True
+    return index - torch.where(starts, index, 0).cummax(dim=0).values
+
+
 class PackedDataset(TokenBlocks):
     """Fixed-length samples read from the cache by memory map."""
 
-    def __init__(self, path: Path, seq_len: int) -> None:
+    def __init__(self, path: Path, seq_len: int, restart_after: Optional[int] = None) -> None:
         tokens = np.memmap(path, dtype=np.int32, mode="r")
-        super().__init__(tokens[: len(tokens) // seq_len * seq_len].reshape(-1, seq_len))
+        super().__init__(tokens[: len(tokens) // seq_len * seq_len].reshape(-1, seq_len), restart_after)
         self.path, self.seq_len = path, seq_len
 
     def sha256(self) -> str:
@@ -103,7 +126,7 @@ def build_train_dataset(data_cfg: Any, tokenizer, seq_len: int, trust_remote_cod
         except OSError as err:  # a full disk, a read-only or vanished directory
             raise ValueError(f"data.cache_dir {data_cfg.cache_dir}: cannot write the token cache {tokens_path.name} "
                              f"({err.strerror or err}); free space there or set data.cache_dir elsewhere") from None
-    return PackedDataset(tokens_path, seq_len)
+    return PackedDataset(tokens_path, seq_len, tokenizer.eos_token_id if data_cfg.packing == "padding_free" else None)
 
 
 def _remove_stale(*paths: Path) -> None:

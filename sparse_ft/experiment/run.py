@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from sparse_ft import console
 from sparse_ft.config.paths import RECIPE_DIRS
 from sparse_ft.experiment.pretrain import ASSET_DIR, machine
 from sparse_ft.modeling.rope import METHODS as ROPE_METHODS
@@ -174,7 +175,7 @@ class Runner:
         if path.is_file():
             row = json.loads(path.read_text())
             if row.get("key") == key:
-                print(f"reusing {path}")
+                console.say(f"reusing {path}")
                 return row
         return None
 
@@ -227,7 +228,7 @@ class Runner:
         if stamp.is_file():
             done = json.loads(stamp.read_text())
             if done["key"] == key and Path(done["summary"]["adapter"], "adapter_config.json").is_file():
-                print(f"reusing the adapter in {run_dir}")
+                console.say(f"reusing the adapter in {run_dir}")
                 return done["summary"], done["train_seconds"]
             # the directory holds a finished run of other settings: this one starts afresh there
             # (only its checkpoints go)
@@ -235,7 +236,8 @@ class Runner:
         else:  # an interrupted run of these settings (preempted, stopped) resumes: the trainer checks they match
             recipe.train.resume = "auto"
         began = time.perf_counter()
-        summary = train(recipe)
+        with console.quieter():  # the progress bar names the run; -v prints each run's summary
+            summary = train(recipe)
         seconds = time.perf_counter() - began
         write_json(stamp, {"key": key, "train_seconds": seconds, "summary": summary})
         return summary, seconds

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any, Callable, Optional
 
 import torch
@@ -73,6 +74,17 @@ class Method:
         generate = cached_generate if self.supports.kv_cache else reprefill_generate
         return generate(model, tokenizer, context_ids=context_ids, question_ids=question_ids,
                         max_new_tokens=max_new_tokens)
+
+    def generate_batch(self, model: torch.nn.Module, tokenizer: Any, *, prompts: Sequence[tuple[list[int], list[int]]],
+                       max_new_tokens: int) -> list[list[int]]:
+        """:meth:`generate` for several ``(context_ids, question_ids)`` prompts at once: one
+        left-padded batch through transformers' ``generate`` (every row as it is alone), or
+        prompt by prompt for a method that generates its own way (ParallelComp)."""
+        if type(self).generate is not Method.generate:
+            return [self.generate(model, tokenizer, context_ids=context, question_ids=question,
+                                  max_new_tokens=max_new_tokens) for context, question in prompts]
+        return left_padded_generate(model, tokenizer, prompts=[[*c, *q] for c, q in prompts],
+                                    max_new_tokens=max_new_tokens, use_cache=self.supports.kv_cache)
 
     def check_inputs(self, attention_mask: Optional[torch.Tensor], dropout: float = 0.0) -> None:
         """For training-free methods (no attention dropout) that compute padded batches only
@@ -142,6 +154,24 @@ def cached_generate(model: torch.nn.Module, tokenizer: Any, *, context_ids: list
     out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                          do_sample=False, use_cache=True, pad_token_id=tokenizer.pad_token_id)
     return out[0, ids.shape[1]:].tolist()
+
+
+@torch.inference_mode()
+def left_padded_generate(model: torch.nn.Module, tokenizer: Any, *, prompts: Sequence[list[int]], max_new_tokens: int,
+                         use_cache: bool) -> list[list[int]]:
+    """Greedy new tokens of each prompt, the prompts left-padded into one batch as ``generate``
+    expects (positions counted from each row's first real token), each row's up to its EOS."""
+    if not prompts:
+        return []
+    longest = max(len(p) for p in prompts)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    ids = torch.tensor([[pad] * (longest - len(p)) + list(p) for p in prompts], device=model_device(model))
+    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts], device=ids.device)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                         use_cache=use_cache, pad_token_id=pad)
+    rows = out[:, longest:].tolist()
+    eos = tokenizer.eos_token_id
+    return [row[: row.index(eos) + 1] if eos in row else row for row in rows]
 
 
 @torch.inference_mode()

@@ -2,7 +2,9 @@
 
 One path serves prefill, chunked prefill and cached decoding: the call's ``Nq`` queries are
 the last of ``Nk`` positions, everything rotated at its true position with the model's own
-RoPE frequencies (so DCA composes with any scaling in them), and DCA needs no state.
+RoPE frequencies (so DCA composes with any scaling in them), and DCA needs no state. Each
+sequence of a padded batch (left padding, as ``generate`` pads) and each document of a
+packed row runs alone, counted from its own first token (:mod:`sparse_ft.methods.sequences`).
 The model supplies what the pure algorithm cannot know: ``c`` defaults to the context it
 handles now (``config.max_position_embeddings``) and the frequencies come from its config.
 
@@ -24,6 +26,7 @@ import torch
 from attn_patterns.dca import DualChunkAttention, dca_attention
 from attn_patterns.kernels import LSE_BACKENDS
 from sparse_ft.methods.base import AlgorithmMethod, Supports, register
+from sparse_ft.methods.sequences import algorithm_spans, per_span
 from sparse_ft.modeling.rope import rope_inv_freq
 
 logger = logging.getLogger(__name__)
@@ -78,7 +81,7 @@ def sparse_prefill_enabled(dca_config: dict[str, Any]) -> bool:
 class DualChunk(AlgorithmMethod):
     name = "dca"
     algorithm_class = DualChunkAttention
-    supports = Supports(training=False, ppl=True, kv_cache=True, padding=("right",), backends=(None, *LSE_BACKENDS))
+    supports = Supports(training=False, ppl=True, kv_cache=True, backends=(None, *LSE_BACKENDS))
 
     def __init__(self, **params: Any) -> None:
         super().__init__(**params)
@@ -131,31 +134,27 @@ class DualChunk(AlgorithmMethod):
 
     def __call__(self, module, query, key, value, attention_mask, *, scaling: Optional[float] = None,
                  dropout: float = 0.0, **kwargs: Any) -> tuple[torch.Tensor, None]:
-        nq, nk = query.shape[2], key.shape[2]
-        if attention_mask is not None and attention_mask.dim() != 2:
-            raise ValueError(f"dca: expected the 2-D padding mask, got attention_mask of shape {tuple(attention_mask.shape)}")
+        nk = key.shape[2]
         self.check_inputs(attention_mask, dropout)
         window = kwargs.get("sliding_window")
         if window is not None and window < nk:
             raise ValueError(
                 f"dca: sliding_window={window} is shorter than the sequence ({nk}); DCA assumes global causal attention"
             )
-        positions = kwargs.get("position_ids")
-        if positions is not None:
-            expected = torch.arange(nk - nq, nk, device=positions.device)
-            if positions.shape[-1] != nq or not bool((positions == expected).all()):
-                raise ValueError(
-                    "dca: position_ids must be the token indices (0..N-1 over the cache); packed sequences and left "
-                    "padding are not supported"
-                )
+        spans = algorithm_spans(attention_mask, kwargs, q=query, k=key, owner="dca")
         config = module.config
         algorithm = self.algorithm_for(config)
         context = int(config.max_position_embeddings)
         s, w, c = algorithm.sizes(context)
         inv_freq = rope_inv_freq(config, "dca").to(query.device)
-        # one factor per call from the whole length Nk, as the sources compute it
-        scale = algorithm.scale(nk, query.shape[-1], context, scaling)
-        out = dca_attention(query, key, value, inv_freq=inv_freq, chunk_size=s, local_window=w, pretraining_length=c,
-                            scale=scale, backend=algorithm.backend, variant=algorithm.variant, pieces=algorithm.pieces)
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, _group: object) -> torch.Tensor:
+            # one factor per sequence from its whole length, as the sources compute it
+            scale = algorithm.scale(k.shape[2], q.shape[-1], context, scaling)
+            return dca_attention(q, k, v, inv_freq=inv_freq, chunk_size=s, local_window=w, pretraining_length=c,
+                                 scale=scale, backend=algorithm.backend, variant=algorithm.variant,
+                                 pieces=algorithm.pieces)
+
+        out = per_span(attend, query, key, value, spans=spans)
         return out.transpose(1, 2).contiguous(), None
 

@@ -1,8 +1,10 @@
 """Patterns inside a model (S², SCCA, SDA, LongMixed, causal, ... and any registered later)
 through one adapter, and ``full``: the model's own attention.
 
-A padded row is computed as if it were alone and unpadded: its real tokens go through the
-pattern at their own length, so the pattern's chunks never depend on the padding.
+A padded row, and each document of a packed row, is computed as if it were alone and
+unpadded: its real tokens go through the pattern at their own length
+(:mod:`sparse_ft.methods.sequences`), so the pattern's chunks never depend on the padding or
+on the other documents.
 """
 
 from __future__ import annotations
@@ -11,12 +13,12 @@ import math
 from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 
 from attn_patterns import Pattern
 from attn_patterns.kernels import BACKENDS
 from sparse_ft.modeling.families import geometry
 from sparse_ft.methods.base import Method, Supports, register
+from sparse_ft.methods.sequences import find_spans, packed_call, per_span
 
 
 class PatternMethod(Method):
@@ -62,11 +64,16 @@ class PatternMethod(Method):
                 "replaces global causal attention; set model.config.sliding_window=None (and use_sliding_window=False)"
             )
         real = key_padding(attention_mask, query.shape[2], key.shape[2])
-        _check_positions(kwargs.get("position_ids"), real, pattern)
+        spans = find_spans(real, kwargs, batch=query.shape[0], q_len=query.shape[2], kv_len=key.shape[2],
+                           owner=f"pattern {pattern!r}")
         d = query.shape[-1]
         if scaling is not None and not math.isclose(scaling, 1.0 / math.sqrt(d), rel_tol=1e-6):
             query = query * (scaling * math.sqrt(d))  # patterns use 1/sqrt(D)
-        out = pattern(query, key, value) if real is None else _per_row(pattern, query, key, value, real=real)
+        kernel = None if spans is None else pattern.packed_kernel(query)
+        if kernel is not None:
+            out = packed_call(kernel, query, key, value, spans=spans)
+        else:
+            out = per_span(lambda q, k, v, _: pattern(q, k, v), query, key, value, spans=spans)
         return out.transpose(1, 2).contiguous(), None
 
 
@@ -113,49 +120,3 @@ def key_padding(attention_mask: Optional[torch.Tensor], q_len: int, kv_len: int)
             "pass the 2-D (batch, seq) padding mask"
         )
     return None if bool(real.all()) else real
-
-
-def _check_positions(position_ids: Optional[torch.Tensor], real: Optional[torch.Tensor], pattern: Pattern) -> None:
-    """Positions restarting inside a row mean packed documents (flash-attention style
-    packing); a pattern would attend across them, so refuse rather than leak."""
-    if position_ids is None or position_ids.shape[-1] < 2:
-        return
-    jumps = position_ids[..., 1:] - position_ids[..., :-1] != 1
-    if real is not None:
-        jumps = jumps & real[:, 1:] & real[:, :-1]
-    if bool(jumps.any()):
-        raise ValueError(
-            f"position_ids restart or jump inside a sequence (packed documents?): pattern {pattern!r} would attend "
-            "across them; pack without resetting positions, or pad each document to its own row"
-        )
-
-
-def _per_row(pattern: Pattern, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, real: torch.Tensor) -> torch.Tensor:
-    """Each row's run of real tokens through the pattern at its own length (rows sharing a
-    run are batched together); padding queries get 0. Left and right padding both work."""
-    n = real.shape[1]
-    edges = F.pad(real.int(), (1, 1)).diff(dim=1).ne(0).sum(dim=1)
-    if bool((edges > 2).any()):
-        row = int((edges > 2).nonzero()[0])
-        raise ValueError(
-            f"attention_mask row {row} has padding between real tokens; pattern {pattern!r} needs each row's "
-            "real tokens contiguous (left or right padding)"
-        )
-    starts, lengths = real.int().argmax(dim=1).tolist(), real.sum(dim=1).tolist()
-    runs: dict[tuple[int, int], list[int]] = {}
-    for row, run in enumerate(zip(starts, lengths)):
-        runs.setdefault(run, []).append(row)
-    outs, order = [], []
-    for (start, length), rows in runs.items():
-        idx = torch.tensor(rows, device=q.device)
-        if length == 0:
-            outs.append(q.new_zeros(len(rows), *q.shape[1:]))
-        else:
-            part = slice(start, start + length)
-            out = pattern(q[idx, :, part], k[idx, :, part], v[idx, :, part])
-            outs.append(F.pad(out, (0, 0, start, n - start - length)))
-        order += rows
-    out = torch.cat(outs) if len(outs) > 1 else outs[0]
-    inverse = torch.empty(len(order), dtype=torch.long)
-    inverse[torch.tensor(order)] = torch.arange(len(order))
-    return out[inverse.to(q.device)]

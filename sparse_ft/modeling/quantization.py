@@ -12,9 +12,7 @@ with no edit here. The layers kept go into transformers' own skip list, beside i
 
 from __future__ import annotations
 
-import logging
 import re
-import warnings
 from collections import Counter
 from typing import Any, Optional
 
@@ -47,14 +45,15 @@ def plan(config: Any, bits: int, device: str, dtype: torch.dtype, *, compute_dty
     return bnb_config(bits, compute_dtype, sorted(set(defaults) | set(refused))), refused
 
 
-def describe(refused: dict[str, str], bits: int, device: str, dtype: torch.dtype) -> str:
-    """One line naming the layers left unquantised, layer indices folded: ``layers.*.mlp.up_proj (x4)``."""
+def describe(refused: dict[str, str], bits: int, device: str, dtype: torch.dtype, *, asked_by: Optional[str] = None) -> str:
+    """One line naming the layers left unquantised, layer indices folded: ``layers.*.mlp.up_proj (x4)``;
+    ``asked_by``: what asked for the quantisation (default: the eval flag)."""
     import bitsandbytes
 
     counts = Counter(re.sub(r"\.\d+\.", ".*.", name) for name in refused)
     names = ", ".join(f"{name} (x{n})" if n > 1 else name for name, n in sorted(counts.items()))
     reasons = "; ".join(sorted(set(refused.values())))
-    return (f"warning: --load-in-{bits}bit: bitsandbytes {bitsandbytes.__version__} cannot quantise "
+    return (f"warning: {asked_by or f'--load-in-{bits}bit'}: bitsandbytes {bitsandbytes.__version__} cannot quantise "
             f"{len(refused)} linear layer(s) on {device} ({reasons}); they stay in {str(dtype).removeprefix('torch.')}: {names}")
 
 
@@ -108,19 +107,10 @@ def _probe(bits: int, in_features: int, out_features: int, bias: bool, *, device
     return None
 
 
-# bitsandbytes' lines that ask nothing of a user: LLM.int8 casting to fp16 (by design, on every
-# matmul), and a hub kernel for AVX512-BF16 CPUs that it fails to download (its built-in one runs).
-_NOISE = ("MatMul8bitLt: inputs will be cast", "Failed to load CPU gemm_4bit_forward")
-
-
 def _quiet_bitsandbytes() -> None:
-    """Before bitsandbytes first loads its backends. Older releases warn, newer ones log."""
-    warnings.filterwarnings("ignore", message=_NOISE[0])
-    for name in ("bitsandbytes.autograd._functions", "bitsandbytes.backends.cpu.ops"):
-        logger = logging.getLogger(name)
-        if not any(getattr(f, "__name__", None) == _drop_noise.__name__ for f in logger.filters):
-            logger.addFilter(_drop_noise)
+    """Before bitsandbytes first loads its backends: its lines that ask nothing of a user
+    (``sparse_ft.console``'s list) stay out of a library call too, unless the verbosity is -v."""
+    from sparse_ft import console
 
-
-def _drop_noise(record: logging.LogRecord) -> bool:
-    return not record.getMessage().startswith(_NOISE)
+    if console.verbosity() < console.VERBOSE:
+        console.quiet_library_warnings()

@@ -43,6 +43,7 @@ def adapter_meta(model, recipe, base_path: str, base_fingerprint: Optional[str])
         "train_attention": {"pattern": recipe.attention.pattern, **recipe.attention.params},
         "base_shape": {k: getattr(config, k, None) for k in SHAPE_KEYS},
         "base_fingerprint": base_fingerprint,
+        "base_quantization": recipe.model.quantization,  # nf4: trained over the NF4-rounded base (docs/training.md)
         "recipe": recipe.name,
     }
 

@@ -86,9 +86,9 @@ class DeepSpeedEngine(Engine):
     def module(self) -> torch.nn.Module:
         return self.engine.module
 
-    def loss(self, batch: dict) -> torch.Tensor:
-        """The loss this rank back-propagates (sequence parallelism reduces it over its group)."""
-        return self.engine(**batch).loss
+    @property
+    def forward(self):
+        return self.engine
 
     def micro_step(self, batch: dict) -> float:
         loss = self.loss(batch)

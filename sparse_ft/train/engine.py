@@ -21,6 +21,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from sparse_ft.config import Recipe, TrainSection
 from sparse_ft.modeling.model_io import DTYPES
+from sparse_ft.train.loss import training_loss
 
 
 def schedule(train: TrainSection, total_steps: int) -> Callable[[int], float]:
@@ -64,6 +65,7 @@ class Engine:
         self.accum = recipe.train.gradient_accumulation_steps
         self.max_grad_norm = recipe.train.max_grad_norm
         self.dtype = DTYPES[recipe.model.dtype]
+        self.loss_function = training_loss(model, recipe.train.loss, recipe.train.loss_chunk_tokens)
         trainable = [p for p in model.parameters() if p.requires_grad]
         self.scaler = self._mixed_precision(trainable)
         self.overflowed = False  # fp16: the loss scaler skipped the last step
@@ -96,9 +98,18 @@ class Engine:
         device = next(self.model.parameters()).device.type
         return torch.autocast(device, dtype=self.dtype, enabled=self.dtype != torch.float32)
 
-    def micro_step(self, batch: dict) -> float:
+    @property
+    def forward(self) -> Callable:
+        """The model as a step calls it (DeepSpeed's engine around it, under DeepSpeed)."""
+        return self.model
+
+    def loss(self, batch: dict) -> torch.Tensor:
+        """The micro-batch's mean token loss (``train.loss``)."""
         with self.autocast():
-            loss = self.model(**batch).loss
+            return self.loss_function(self.forward, self.module, batch)
+
+    def micro_step(self, batch: dict) -> float:
+        loss = self.loss(batch)
         scaled = loss / self.accum
         (self.scaler.scale(scaled) if self.scaler else scaled).backward()
         return loss.item()

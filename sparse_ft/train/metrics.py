@@ -1,19 +1,55 @@
-"""Per-step metrics to a JSONL file (always), TensorBoard and W&B (when asked and installed).
+"""Per-step metrics to a JSONL file (always), TensorBoard and W&B (when asked; preflight
+refuses a tracker that is not installed).
 
 A resumed run continues its W&B run: the run id is kept in the output directory
-(``WANDB_ID_FILE``) and handed back to ``wandb.init`` with ``resume="allow"``."""
+(``WANDB_ID_FILE``) and handed back to ``wandb.init`` with ``resume="allow"``. W&B's project,
+entity, name, group and tags come from the recipe's ``train.wandb``, else from their usual
+environment variables (``WANDB_ENVIRONMENT``), as ``wandb.init``'s own arguments win over its
+environment; TensorBoard writes to ``TENSORBOARD_LOGGING_DIR`` when set (as transformers'
+Trainer), else to ``output_dir/tensorboard``. Both get the resolved recipe as the run's
+configuration."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 from pathlib import Path
+from typing import Optional
 
 import torch
+
+from sparse_ft.config import Recipe, format_recipe
+from sparse_ft.config.schema import fail
 
 WANDB_ID_FILE = "wandb_run_id"
 LOG_FILE = "log.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 WANDB_DIR = "wandb"  # where wandb.init(dir=output_dir) puts its files
+WANDB_PROJECT = "sparse-ft"  # when neither train.wandb.project nor WANDB_PROJECT names one
+# train.wandb's keys and the variables they default to (W&B's own names)
+WANDB_ENVIRONMENT = {"project": "WANDB_PROJECT", "entity": "WANDB_ENTITY", "name": "WANDB_NAME",
+                     "group": "WANDB_RUN_GROUP", "tags": "WANDB_TAGS"}
+TRACKER_MODULES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb")}  # module, pip name
+
+
+def check_trackers(report_to: list[str]) -> None:
+    """Every tracker ``train.report_to`` asks for is installed: checked in preflight, before
+    anything loads, rather than found missing (or skipped) once the run has started."""
+    for tracker in report_to:
+        if tracker in TRACKER_MODULES and importlib.util.find_spec(TRACKER_MODULES[tracker][0]) is None:
+            fail("train.report_to", report_to, f"{tracker} is not installed here; pip install {TRACKER_MODULES[tracker][1]}, "
+                 f"or remove {tracker} from train.report_to")
+
+
+def wandb_settings(recipe: Recipe) -> dict:
+    """``wandb.init``'s project, entity, name, group and tags: the recipe's, else the
+    environment's, else the project ``sparse-ft`` and W&B's defaults."""
+    settings = {key: recipe.train.wandb.get(key, os.environ.get(variable)) for key, variable in WANDB_ENVIRONMENT.items()}
+    if isinstance(settings["tags"], str):  # WANDB_TAGS is comma-separated
+        settings["tags"] = [tag for tag in settings["tags"].split(",") if tag]
+    settings["project"] = settings["project"] or WANDB_PROJECT
+    return {key: value for key, value in settings.items() if value}
 
 
 def peak_memory_mib(device: torch.device) -> float:
@@ -29,50 +65,77 @@ def peak_memory_mib(device: torch.device) -> float:
     return float("nan")
 
 
-def _wandb_run(wandb, output_dir: Path, resumed: bool):
-    """The W&B run: a resumed training run continues the one it started, a fresh one starts
-    its own and records its id."""
+def _wandb_run(wandb, output_dir: Path, resumed: bool, recipe: Optional[Recipe]):
+    """The W&B run, with the resolved recipe as its config: a resumed training run continues
+    the one it started, a fresh one starts its own and records its id."""
     id_file = output_dir / WANDB_ID_FILE
+    settings = wandb_settings(recipe) if recipe is not None else {"project": WANDB_PROJECT}
+    config = recipe.to_dict() if recipe is not None else None
     if resumed and id_file.is_file():
-        return wandb.init(project="sparse-ft", dir=str(output_dir), id=id_file.read_text().strip(), resume="allow")
-    run = wandb.init(project="sparse-ft", dir=str(output_dir))
+        return wandb.init(**settings, dir=str(output_dir), config=config, id=id_file.read_text().strip(), resume="allow")
+    run = wandb.init(**settings, dir=str(output_dir), config=config)
     id_file.write_text(run.id + "\n")
     return run
 
 
+def _tensorboard(output_dir: Path, resumed_at: int, recipe: Optional[Recipe]):
+    """The TensorBoard writer, the resolved recipe in its text tab and its scalars as the run's
+    hyperparameters."""
+    from torch.utils.tensorboard import SummaryWriter
+    from torch.utils.tensorboard.summary import hparams
+
+    log_dir = os.environ.get("TENSORBOARD_LOGGING_DIR") or str(output_dir / TENSORBOARD_DIR)
+    # purge_step drops the events written after the checkpoint resumed from (by a killed
+    # run, or, when starting afresh, by an earlier run whose checkpoints were overwritten)
+    writer = SummaryWriter(os.path.expanduser(log_dir), purge_step=resumed_at + 1)
+    if recipe is not None:
+        writer.add_text("recipe", "```yaml\n" + format_recipe(recipe) + "```")
+        flat = {}
+        for section, values in recipe.to_dict().items():
+            for key, value in (values.items() if isinstance(values, dict) else [("", values)]):
+                flat[f"{section}.{key}".rstrip(".")] = value if isinstance(value, (int, float, str, bool)) else str(value)
+        for summary in hparams(flat, {}):
+            writer.file_writer.add_summary(summary)
+    return writer
+
+
 class MetricLog:
-    def __init__(self, output_dir: Path, report_to: list[str], history: list[dict]) -> None:
+    def __init__(self, output_dir: Path, report_to: list[str], history: list[dict], validations: list[dict] = (), *,
+                 recipe: Optional[Recipe] = None) -> None:
         self.path = output_dir / LOG_FILE
-        # a resumed run rewrites the log from the checkpoint: steps after it were never kept
-        self.path.write_text("".join(json.dumps(r) + "\n" for r in history))
+        # a resumed run rewrites the log from the checkpoint: steps after it were never kept;
+        # a step's validation lines (``kind``) follow its training line
+        lines = sorted([*history, *validations], key=lambda r: (r["step"], "kind" in r))
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in lines))
         self.tensorboard = self.wandb = None
         if "tensorboard" in report_to:
-            from torch.utils.tensorboard import SummaryWriter
-
-            # purge_step drops the events written after the checkpoint resumed from (by a killed
-            # run, or, when starting afresh, by an earlier run whose checkpoints were overwritten)
-            self.tensorboard = SummaryWriter(str(output_dir / TENSORBOARD_DIR), purge_step=len(history) + 1)
+            self.tensorboard = _tensorboard(output_dir, len(history), recipe)
         if "wandb" in report_to:
-            try:
-                import wandb
-            except ImportError:
-                print("report_to lists wandb but it is not installed: skipping W&B", flush=True)
-            else:
-                self.wandb = _wandb_run(wandb, output_dir, resumed=bool(history))
+            import wandb
+
+            self.wandb = _wandb_run(wandb, output_dir, resumed=bool(history), recipe=recipe)
 
     def write(self, record: dict, report: bool = True) -> None:
         """Every step goes to the JSONL file (the full loss curve); ``report`` also sends it to
         TensorBoard / W&B (the recipe's log steps)."""
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
-        if not report:
-            return
-        scalars = {f"train/{k}": v for k, v in record.items() if k != "step"}
+        if report:
+            self._report({f"train/{k}": v for k, v in record.items() if k != "step"}, record["step"])
+
+    def write_validation(self, record: dict) -> None:
+        """A validation record (``kind``, ``step``, ``metrics`` named ``val/...``): a line in
+        the JSONL file, its metrics to every tracker at its step."""
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        self._report(record["metrics"], record["step"])
+
+    def _report(self, scalars: dict, step: int) -> None:
         if self.tensorboard is not None:
             for key, value in scalars.items():
-                self.tensorboard.add_scalar(key, value, record["step"])
+                self.tensorboard.add_scalar(key, value, step)
         if self.wandb is not None:
-            self.wandb.log(scalars, step=record["step"])
+            self.wandb.log(scalars, step=step)
 
     def close(self) -> None:
         if self.tensorboard is not None:

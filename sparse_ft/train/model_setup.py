@@ -14,6 +14,7 @@ from sparse_ft.config import LoraSection, Recipe
 from sparse_ft.methods import Method
 from sparse_ft.modeling.model_io import DTYPES
 from sparse_ft.modeling.tiny import is_built_in
+from sparse_ft.train.activations import reduce_activation_memory
 
 BASE_DIR = "base-model"  # in train.output_dir: the built-in tiny model, written once as a checkpoint
 
@@ -46,13 +47,16 @@ def extended_config(path: str, target_length: int, method: str, trust_remote_cod
 
 
 def build_model(recipe: Recipe, path: str, method: Method, ds_config: Optional[dict] = None):
-    """Base model with position interpolation, LoRA+ and the training ``method``."""
-    return add_adapters(load_base(recipe, path, ds_config), recipe.lora, method, recipe.train.gradient_checkpointing)
+    """Base model with position interpolation, LoRA+ and the training ``method``, its
+    activations kept as the recipe's memory keys say."""
+    model = add_adapters(load_base(recipe, path, ds_config), recipe.lora, method, recipe.train.gradient_checkpointing)
+    return reduce_activation_memory(model, recipe.train)
 
 
 def load_base(recipe: Recipe, path: str, ds_config: Optional[dict] = None):
     """The base model at ``path`` in the recipe's dtype, extended to ``model.target_length``;
-    under ZeRO-3 its weights load partitioned."""
+    under ZeRO-3 its weights load partitioned; with ``model.quantization: nf4`` its linear
+    layers load as bitsandbytes NF4 on this process's device."""
     from transformers import AutoModelForCausalLM
 
     config = extended_config(path, recipe.model.target_length, recipe.model.rope_method, recipe.model.trust_remote_code)
@@ -60,9 +64,35 @@ def load_base(recipe: Recipe, path: str, ds_config: Optional[dict] = None):
         from transformers.integrations import HfDeepSpeedConfig
 
         _KEEP_ALIVE.append(HfDeepSpeedConfig(ds_config))  # weights load partitioned (zero.Init)
+    quantized = nf4_loading(recipe, config) if recipe.model.quantization == "nf4" else {}
     return AutoModelForCausalLM.from_pretrained(
-        path, config=config, dtype=DTYPES[recipe.model.dtype], trust_remote_code=recipe.model.trust_remote_code
+        path, config=config, dtype=DTYPES[recipe.model.dtype], trust_remote_code=recipe.model.trust_remote_code, **quantized
     )
+
+
+def nf4_loading(recipe: Recipe, config) -> dict:
+    """``from_pretrained``'s arguments for QLoRA's base: NF4 with double quantisation, computing
+    in ``model.dtype``, on this process's device (bitsandbytes quantises as the weights move
+    there). The layers the installed bitsandbytes cannot quantise on that device stay in
+    ``model.dtype``, named on stderr by rank 0 (``sparse_ft.modeling.quantization``)."""
+    import importlib.util
+    import os
+    import sys
+
+    import torch
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ValueError("recipe key model.quantization='nf4' needs bitsandbytes: pip install bitsandbytes")
+    from sparse_ft.modeling import quantization
+
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    device = f"cuda:{local}" if torch.cuda.is_available() else "cpu"
+    dtype = DTYPES[recipe.model.dtype]
+    plan, refused = quantization.plan(config, 4, device, dtype, compute_dtype=dtype,
+                                      trust_remote_code=recipe.model.trust_remote_code)
+    if refused and int(os.environ.get("RANK", 0)) == 0:
+        print(quantization.describe(refused, 4, device, dtype, asked_by="model.quantization=nf4"), file=sys.stderr, flush=True)
+    return {"quantization_config": plan, "device_map": {"": device}}
 
 
 def train_through(model, method: Method, gradient_checkpointing: bool):

@@ -20,7 +20,8 @@ from sparse_ft.modeling.families import geometry
 from sparse_ft.methods import Method
 from sparse_ft.modeling.model_io import is_repo_id, load_tokenizer
 from sparse_ft.modeling.weight_files import model_files
-from sparse_ft.train import checkpoint
+from sparse_ft.train import checkpoint, validation
+from sparse_ft.train.metrics import check_trackers
 from sparse_ft.modeling.tiny import is_built_in, tiny_llama_config, tiny_tokenizer
 
 
@@ -30,11 +31,13 @@ def preflight(recipe: Recipe, method: Method) -> None:
     starts; the data is read by the first rank only (a launcher stops the others when one
     fails)."""
     config = check_model(recipe, method)
-    if recipe.deepspeed is not None:
+    ds_config = read_deepspeed_config(recipe.deepspeed) if recipe.deepspeed is not None else None
+    if ds_config is not None:
         try:
-            check_with_deepspeed(read_deepspeed_config(recipe.deepspeed), recipe.deepspeed)
+            check_with_deepspeed(ds_config, recipe.deepspeed)
         except ValueError as err:
             raise BadInput(str(err)) from None
+    validation.check(recipe, method, ds_config and ds_config.get("zero_optimization", {}).get("stage"))
     _check_lora(recipe, _skeleton(recipe, config))
     if int(os.environ.get("RANK", "0")) == 0:  # one read of the data per run, not one per rank
         _check_data(recipe)
@@ -42,8 +45,9 @@ def preflight(recipe: Recipe, method: Method) -> None:
 
 def check_model(recipe: Recipe, method: Method):
     """The checks of :func:`preflight` that any training of the recipe's model needs, adapters
-    and data aside: the checkpoint to resume, the backend, the model's config and heads.
-    Returns the model's config."""
+    and data aside: the trackers, the checkpoint to resume, the backend, the model's config and
+    heads. Returns the model's config."""
+    check_trackers(recipe.train.report_to)
     if recipe.train.resume not in ("auto", "never"):
         checkpoint.named_checkpoint(recipe.train.resume)
     att = recipe.attention

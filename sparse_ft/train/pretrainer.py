@@ -11,7 +11,9 @@ import numpy as np
 import torch
 
 from sparse_ft.config import Recipe
+from sparse_ft.config.schema import fail
 from sparse_ft.data.packing import TokenBlocks
+from sparse_ft.train.activations import reduce_activation_memory
 from sparse_ft.train.model_setup import load_base, train_through
 from sparse_ft.train.preflight import check_model
 from sparse_ft.train.trainer import Trainer
@@ -30,7 +32,10 @@ class Pretrainer(Trainer):
         self.blocks = blocks
 
     def preflight(self) -> None:
-        """The model's checks: there are no adapters to match, and the blocks are in memory."""
+        """The model's checks: there are no adapters to match, and the blocks are in memory.
+        Every weight trains, which a 4-bit base cannot."""
+        if self.recipe.model.quantization != "none":
+            fail("model.quantization", self.recipe.model.quantization, "pretraining trains every weight in full; use none")
         check_model(self.recipe, self.method)
 
     def load_dataset(self) -> torch.utils.data.Dataset:
@@ -38,8 +43,9 @@ class Pretrainer(Trainer):
 
     def build_model(self) -> torch.nn.Module:
         """The base, every weight trainable, attending through the training method."""
-        return train_through(load_base(self.recipe, self.base, self.ds_config), self.method,
-                             self.recipe.train.gradient_checkpointing)
+        model = train_through(load_base(self.recipe, self.base, self.ds_config), self.method,
+                              self.recipe.train.gradient_checkpointing)
+        return reduce_activation_memory(model, self.recipe.train)
 
     def adapter_meta(self) -> None:
         """No adapter: every weight trains, and the caller saves the model whole."""

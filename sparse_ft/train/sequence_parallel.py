@@ -63,8 +63,8 @@ def shard_batches(rows: Callable[[int], dict], device: torch.device) -> Iterator
     sp = mpu.get_sequence_parallel_world_size()
 
     def with_positions(batch: dict) -> dict:  # the adapter needs global positions to shard
-        rows, n = batch["input_ids"].shape
-        return {**batch, "position_ids": torch.arange(n).repeat(rows, 1)}
+        rows, n = batch["input_ids"].shape  # padding-free samples bring their own, restarting per document
+        return {"position_ids": torch.arange(n).repeat(rows, 1), **batch}
 
     source = (with_positions(rows(m)) for m in itertools.count())
     adapter = UlyssesSPDataLoaderAdapter(source, mpu.get_sequence_parallel_rank(), mpu.get_sequence_parallel_group(), sp, device)
@@ -87,7 +87,7 @@ class UlyssesEngine(DeepSpeedEngine):
         from torch.distributed.nn.functional import all_gather
 
         labels = batch["shift_labels"]
-        loss = self.engine(**batch, labels=labels).loss
+        loss = super().loss({**batch, "labels": labels})
         group = self.mpu.get_sequence_parallel_group()
         tokens = torch.stack(all_gather((labels != -100).sum(), group=group))
         losses = torch.stack(all_gather(loss, group=group))

@@ -18,11 +18,12 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from sparse_ft.config import Recipe, format_recipe, save_resolved
+from sparse_ft import console
+from sparse_ft.config import Recipe, format_recipe, save_resolved, summarize_recipe
 from sparse_ft.data.packing import build_train_dataset
 from sparse_ft.modeling.model_io import load_tokenizer, materialize_tiny
 from sparse_ft.files.outputs import RunLock
-from sparse_ft.train import checkpoint, run_directory, sequence_parallel
+from sparse_ft.train import checkpoint, run_directory, sequence_parallel, validation
 from sparse_ft.train.checkpoint import NonFiniteWeights
 from sparse_ft.train.adapter import adapter_meta, save_adapter
 from sparse_ft.train.data_order import DataOrder, DataPosition, saved_position
@@ -162,6 +163,7 @@ class Trainer:
         run's length in optimizer steps."""
         t = self.recipe.train
         self.tokenizer = load_tokenizer(self.base, self.recipe.model.trust_remote_code)
+        self.validation = validation.Validation(self.recipe, self.tokenizer, self.method)
         if self.rank == 0:
             self.dataset = self.load_dataset()
         self.barrier()
@@ -174,7 +176,8 @@ class Trainer:
         self.steps = total_steps(self.recipe, self.order, self.position, self.start)
         if self.rank == 0:  # the run is on: a resume refused until here leaves the directory as it was
             save_resolved(self.recipe, self.out)
-            print(f"recipe {self.recipe.name}:\n{format_recipe(self.recipe)}", flush=True)
+            console.say(summarize_recipe(self.recipe, self.steps, len(self.dataset)))
+            console.say(format_recipe(self.recipe), console.VERBOSE)
 
     def resume_position(self) -> tuple[int, DataPosition]:
         """The step and data position the run continues from: the checkpoint's, once its
@@ -221,14 +224,15 @@ class Trainer:
     def maybe_resume(self) -> None:
         """Continue from the checkpoint rank 0 picked (verified, written with this recipe, on
         this training set)."""
-        self.history = []
+        self.history, self.validations = [], []
         restored = False
         if self.resume_from is not None:
             meta = checkpoint.load_checkpoint(self.engine, self.resume_from)
             self.history, restored = meta["history"], self.rank < meta["world_size"]
+            self.validations = meta.get("validation", [])
             if self.rank == 0:
-                print(f"resumed from {self.resume_from} at step {self.start} (epoch {self.position.epoch}, after "
-                      f"{self.position.consumed} of its {self.order.size} samples)", flush=True)
+                console.say(f"resumed from {self.resume_from} at step {self.start} (epoch {self.position.epoch}, after "
+                            f"{self.position.consumed} of its {self.order.size} samples)")
         if not restored:  # dropout differs across ranks, reproducibly (a rank the checkpoint's run lacked starts afresh)
             torch.manual_seed(self.recipe.train.seed + 1000 * self.rank)
 
@@ -238,7 +242,8 @@ class Trainer:
         the adapter resumes there). After each step the ranks agree whether to stop: a stop
         signal saves a checkpoint first, a non-finite step saves nothing."""
         t = self.recipe.train
-        self.log = MetricLog(self.out, t.report_to, self.history) if self.rank == 0 else None
+        self.log = (MetricLog(self.out, t.report_to, self.history, self.validations, recipe=self.recipe)
+                    if self.rank == 0 else None)
         self.batches = self.micro_batches()
         clock = SaveClock(t.save_minutes)
         self.signals.deferred = True
@@ -257,6 +262,8 @@ class Trainer:
                     if report:
                         bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}", grad_norm=f"{record['grad_norm']:.3f}")
                 bar.update()
+                if validation.due(self.recipe, step + 1, self.steps) and not signum:  # a stop saves first
+                    self._validate(step + 1, bar)
                 if (step + 1) % t.save_steps == 0 or step + 1 == self.steps or signum or timed:
                     self._checkpoint(step + 1)
                     clock.restart()
@@ -264,6 +271,17 @@ class Trainer:
                     self._stop(Preempted(f"preempted by {signal_name(signum)} at step {step + 1}: saved "
                                          f"{checkpoint.directory(self.out, step + 1).name}; resume with the same command",
                                          signum, announce=self.rank == 0))
+
+    def _validate(self, step: int, bar: tqdm) -> None:
+        """The validation tasks after ``step``, on every rank (under ZeRO-3 each forward
+        gathers parameters from all of them); rank 0 logs and says them. Before the step's
+        checkpoint, which keeps them for a resume's log."""
+        for record in self.validation.run(self.engine.module, self.engine.autocast(), step):
+            self.validations.append(record)
+            if self.log is not None:
+                self.log.write_validation(record)
+                said = ", ".join(f"{key}={value:.4g}" for key, value in record["metrics"].items())
+                bar.write(f"step {step}: {said} ({record['seconds']:.1f} s)")
 
     def _stop(self, reason: RunStopped) -> None:
         """End the loop on every rank together (after their last writes), the log closed."""
@@ -315,7 +333,7 @@ class Trainer:
         accum = self.recipe.train.gradient_accumulation_steps
         position = self.order.advance(self.position, (step - self.start) * accum)
         data = {**self.data_identity, "micro_batches": step * accum, **position.to_json()}
-        meta = {"history": self.history, "recipe": self.recipe.name, "data": data, "fingerprint": self.fingerprint}
+        meta = {"history": self.history, "validation": self.validations, "recipe": self.recipe.name, "data": data, "fingerprint": self.fingerprint}
         try:
             checkpoint.save_checkpoint(self.engine, self.out, step, meta, keep=self.recipe.train.save_total_limit,
                                        adapter=self.adapter_meta())
@@ -332,7 +350,7 @@ class Trainer:
         adapter_dir = save_adapter(self.engine, self.out / run_directory.ADAPTER, self.adapter_meta(), tokenizer=self.tokenizer)
         summary = self.summary({"adapter": str(adapter_dir)})
         if self.rank == 0:
-            print(f"adapter saved to {adapter_dir}", flush=True)
+            console.say(f"adapter saved to {adapter_dir}")
         return summary
 
     def summary(self, saved: dict) -> dict:
@@ -342,7 +360,7 @@ class Trainer:
             self.log.close()
         history = self.history
         summary = {"steps": self.steps, "final_loss": history[-1]["loss"] if history else None, **saved,
-                   "world_size": self.world, "history": history}
+                   "world_size": self.world, "history": history, "validation": self.validations}
         if self.rank == 0:
             (self.out / run_directory.SUMMARY).write_text(json.dumps(summary, indent=1))
         return summary

@@ -1,7 +1,7 @@
 """Evaluation tasks, one module each, registered in ``TASKS`` where they are defined:
 perplexity (``ppl``), passkey retrieval (``passkey``), RULER's synthetic tasks and their suite
-(``ruler``: ``niah_*``, ``vt``, ``cwe``, ``fwe``). ``sparse-ft eval NAME`` runs any of them,
-and the experiment builds its evaluations here too.
+(``ruler``: ``niah_*``, ``vt``, ``cwe``, ``fwe``), lm-evaluation-harness's tasks (``harness``).
+``sparse-ft eval NAME`` runs any of them, and the experiment builds its evaluations here too.
 
     >>> from sparse_ft.evaluation import tasks
     >>> tasks.names()
@@ -24,6 +24,7 @@ from sparse_ft.evaluation.tasks import niah as _niah  # noqa: E402,F401
 from sparse_ft.evaluation.tasks import variable_tracking as _variable_tracking  # noqa: E402,F401
 from sparse_ft.evaluation.tasks import common_words as _common_words  # noqa: E402,F401
 from sparse_ft.evaluation.tasks import frequent_words as _frequent_words  # noqa: E402,F401
+from sparse_ft.evaluation.tasks import harness as _harness  # noqa: E402,F401
 
 get, names = TASKS.get, TASKS.names
 

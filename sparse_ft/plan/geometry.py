@@ -1,0 +1,105 @@
+"""The shapes the memory planner needs, from a local config, the built-in tiny model, or a
+table of known Hugging Face ids: no hub is reachable offline, and a plan should not need the
+weights. The table's numbers are the ``config.json`` fields of each repository (read there by
+hand; the parameter counts they give match the model cards: 6.74B, 8.03B, 7.24B, 7.62B)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied: bool  # the output head is the embedding matrix
+    source: str  # where the numbers come from, for the report
+
+    @property
+    def q_width(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """A decoder layer's projections as (in, out), by the module names LoRA targets."""
+        h, i = self.hidden, self.intermediate
+        return {"q_proj": (h, self.q_width), "k_proj": (h, self.kv_width), "v_proj": (h, self.kv_width),
+                "o_proj": (self.q_width, h), "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+    def layer_linear_params(self) -> int:
+        return sum(a * b for a, b in self.linear_shapes().values())
+
+    def norm_params(self) -> int:
+        """Two RMSNorms per layer and the final one."""
+        return (2 * self.layers + 1) * self.hidden
+
+    def embedding_params(self) -> int:
+        return self.vocab * self.hidden
+
+    def head_params(self) -> int:
+        return 0 if self.tied else self.vocab * self.hidden
+
+    def params(self) -> int:
+        return (self.layers * self.layer_linear_params() + self.norm_params() + self.embedding_params()
+                + self.head_params())
+
+    def cut(self, layers: int) -> "ModelShape":
+        return replace(self, layers=layers, source=f"{self.source}, cut to {layers} layers")
+
+
+def _hf(repo: str, *, layers: int, hidden: int, heads: int, kv_heads: int, intermediate: int, vocab: int) -> ModelShape:
+    return ModelShape(layers, hidden, heads, kv_heads, hidden // heads, intermediate, vocab, False,
+                      f"built-in table: {repo}/config.json")
+
+
+_LLAMA2_7B = _hf("meta-llama/Llama-2-7b-hf", layers=32, hidden=4096, heads=32, kv_heads=32, intermediate=11008, vocab=32000)
+_LLAMA31_8B = _hf("meta-llama/Llama-3.1-8B", layers=32, hidden=4096, heads=32, kv_heads=8, intermediate=14336, vocab=128256)
+KNOWN: dict[str, ModelShape] = {
+    "meta-llama/Llama-2-7b-hf": _LLAMA2_7B,
+    "meta-llama/Llama-2-7b-chat-hf": _LLAMA2_7B,
+    "meta-llama/Llama-3.1-8B": _LLAMA31_8B,
+    "meta-llama/Llama-3.1-8B-Instruct": _LLAMA31_8B,
+    "meta-llama/Meta-Llama-3.1-8B": _LLAMA31_8B,
+    "meta-llama/Meta-Llama-3-8B": _LLAMA31_8B,
+    "mistralai/Mistral-7B-v0.1": _hf("mistralai/Mistral-7B-v0.1", layers=32, hidden=4096, heads=32, kv_heads=8,
+                                     intermediate=14336, vocab=32000),
+    "Qwen/Qwen2.5-7B": _hf("Qwen/Qwen2.5-7B", layers=28, hidden=3584, heads=28, kv_heads=4, intermediate=18944,
+                           vocab=152064),
+}
+
+
+def from_config(config, source: str) -> ModelShape:
+    """A transformers config's shapes (heads and head width as the attention layers read them)."""
+    from sparse_ft.modeling.families import geometry
+
+    g = geometry(config)
+    return ModelShape(config.num_hidden_layers, config.hidden_size, g.heads, g.kv_heads, g.head_dim,
+                      config.intermediate_size, config.vocab_size, bool(getattr(config, "tie_word_embeddings", False)),
+                      source)
+
+
+def model_shape(name_or_path: str, *, trust_remote_code: bool = False) -> ModelShape:
+    """``tiny``, a local model directory (its config.json), or an id of :data:`KNOWN`; anything
+    else is refused with what is known, since the hub cannot be asked."""
+    from sparse_ft.modeling.tiny import is_built_in, tiny_llama_config
+
+    if is_built_in(name_or_path):
+        return from_config(tiny_llama_config(), "built-in tiny model")
+    if Path(name_or_path).expanduser().is_dir():
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+        return from_config(config, f"{name_or_path}/config.json")
+    if name_or_path in KNOWN:
+        return KNOWN[name_or_path]
+    raise ValueError(f"model.name_or_path={name_or_path!r} has no shapes here: the planner reads a local model "
+                     f"directory, 'tiny', or one of {', '.join(KNOWN)}")

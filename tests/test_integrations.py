@@ -1,0 +1,91 @@
+"""docs/integrations.md runs as written: its code blocks are read from the page, the first
+(the model) then each trainer's, in a directory holding the repository's tiny base and data,
+so the page and what is tested cannot drift apart."""
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from sparse_ft.modeling.attention import current_method
+from sparse_ft.modeling.rope import rope_parameters
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGE = ROOT / "docs" / "integrations.md"
+
+
+def code_blocks() -> dict[str, str]:
+    """The page's ```python blocks, keyed by the heading above each."""
+    blocks, heading = {}, None
+    for match in re.finditer(r"^## ([^\n]+)$|^```python\n(.*?)^```$", PAGE.read_text(), re.M | re.S):
+        if match.group(1):
+            heading = match.group(1)
+        else:
+            assert heading not in blocks, f"two code blocks under {heading!r}: give the second its own heading"
+            blocks[heading] = match.group(2)
+    return blocks
+
+
+BLOCKS = code_blocks()
+MODEL = "The model"
+
+
+def test_the_page_has_the_model_and_every_trainer():
+    assert list(BLOCKS) == [MODEL, "transformers' Trainer", "TRL's SFTTrainer with packing", "Plain PEFT, your own loop"]
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch):
+    for name in ("assets", "data"):
+        (tmp_path / name).symlink_to(ROOT / name)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def run_block(name: str) -> dict:
+    """The model's block, then ``name``'s, in one namespace; ``trained`` lists the trainable
+    weights that moved."""
+    namespace: dict = {}
+    exec(compile(BLOCKS[MODEL], f"{PAGE}:{MODEL}", "exec"), namespace)
+    model = namespace["model"]
+    assert current_method(model).name == "scca_flow"
+    assert rope_parameters(model.config)["factor"] == 4.0 and model.config.max_position_embeddings == 1024
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    exec(compile(BLOCKS[name], f"{PAGE}:{name}", "exec"), namespace)
+    namespace["trained"] = [n for n, p in model.named_parameters() if n in before and not torch.equal(p, before[n])]
+    return namespace
+
+
+# every kind of weight LoRA+ trains: LoRA's, the embeddings', the norms'
+TRAINED = ("q_proj", "embed_tokens", "input_layernorm", "model.norm")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["transformers' Trainer", "TRL's SFTTrainer with packing"])
+def test_a_trainer_block_trains_the_extended_model_through_the_pattern(name, workdir):
+    namespace = run_block(name)
+    assert current_method(namespace["model"]).name == "scca_flow"
+    for part in TRAINED:
+        assert any(part in n for n in namespace["trained"]), f"{part} did not train"
+    state = namespace["trainer"].state
+    assert state.global_step == 3 and torch.isfinite(torch.tensor(state.log_history[-1]["train_loss"]))
+
+
+@pytest.mark.slow
+def test_the_peft_block_trains_and_saves_a_model_at_its_new_length(workdir):
+    """The merged model differs from the base in every kind of trained weight, and reloads
+    from its directory at 1024 tokens with the same logits."""
+    from transformers import AutoModelForCausalLM
+
+    namespace = run_block("Plain PEFT, your own loop")
+    assert namespace["batch"]["input_ids"].shape[0] == 1 and (namespace["batch"]["position_ids"] == 0).sum() == 8
+    base = dict(AutoModelForCausalLM.from_pretrained(ROOT / "assets" / "tiny-base").named_parameters())
+    merged = namespace["merged"]
+    for part in TRAINED:
+        assert any(part in n and not torch.equal(p, base[n]) for n, p in merged.named_parameters()), f"{part} did not train"
+    saved = AutoModelForCausalLM.from_pretrained(workdir / "runs" / "peft-merged")
+    assert rope_parameters(saved.config)["rope_type"] == "linear" and saved.config.max_position_embeddings == 1024
+    ids = namespace["batch"]["input_ids"][:, :64]
+    with torch.no_grad():
+        torch.testing.assert_close(saved(ids).logits, merged(ids).logits)
