@@ -150,7 +150,7 @@ def attention_workspace(setup: Setup, n: int) -> dict[str, float]:
     materialises each block's fp32 scores, their softmax and its gradient."""
     s, a = setup.shape, _act_bytes(setup)
     sp = setup.sequence_parallel
-    heads, q, kv = s.heads / sp, s.q_width / sp, max(s.kv_width / sp, s.head_dim)
+    heads, q = s.heads / sp, s.q_width / sp
     tokens = setup.batch * n
     parts = {"attention (lse)": 4 * heads * tokens}
     blocked = setup.pattern in CHUNKED or setup.pattern in DILATED or setup.pattern == "causal"
@@ -159,7 +159,7 @@ def attention_workspace(setup: Setup, n: int) -> dict[str, float]:
     if setup.kernel == "math":
         width = n / setup.chunks if setup.pattern in CHUNKED else n / DILATED.get(setup.pattern, 1)
         parts["attention scores (math kernel)"] = 3 * 4 * heads * tokens * width
-    if sp > 1:
+    if sp > 1:  # q, k, v and output counted Q-wide: an upper bound where k and v are narrower (GQA)
         parts["Ulysses all-to-all buffers"] = 4 * a * q * tokens
     return parts
 
