@@ -255,6 +255,18 @@ def test_full_is_the_models_own_attention_and_causal_the_toolkits():
     torch.testing.assert_close(use_attention(model, causal)(ids).logits, own, atol=1e-5, rtol=1e-5)
 
 
+def test_evaluating_through_full_drops_a_pattern_installed_before():
+    """An evaluation that scores a pattern and then ``full`` on one model (the experiment's own
+    pattern column, validation) measures the model's own attention the second time."""
+    model = build("llama")
+    ids = ids_of((1, 24))
+    own = model(ids).logits
+    use_attention(model, "s2")
+    assert not torch.equal(model(ids).logits, own)
+    methods.get("full").apply(model, 24)
+    assert current_method(model) is None and torch.equal(model(ids).logits, own)
+
+
 def test_the_installer_takes_ready_methods_and_names_resolve_with_the_methods():
     """sparse_ft.modeling.attention knows no names (the one-way seam); an algorithm object needs its
     method, which knows what the model must supply."""

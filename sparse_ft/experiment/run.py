@@ -302,10 +302,7 @@ class Runner:
         if row.get("ruler", {}).get("key") == key:
             return row
         began = time.perf_counter()
-        from sparse_ft.modeling.attention import use_attention
-
         model, tokenizer = load()
-        use_attention(model, method)  # a model reused from its row may still attend through its training pattern
         measured, note = self._ruler_base(tokenizer)
         ruler = self._ruler([self.context * f for f in self.cfg.ruler_factors], base=measured, base_note=note)
         ruler.prepare(tokenizer)

@@ -16,6 +16,7 @@ import torch
 
 from attn_patterns import Pattern
 from attn_patterns.kernels import BACKENDS
+from sparse_ft.modeling.attention import restore_own_attention
 from sparse_ft.modeling.families import geometry
 from sparse_ft.methods.base import Method, Supports, register
 from sparse_ft.methods.sequences import find_spans, packed_call, per_span
@@ -89,7 +90,9 @@ class ModelAttention(Method):
     replaces_attention = False
 
     def apply(self, model: torch.nn.Module, length: int) -> None:
-        """Evaluation measures the model as loaded (an adapter's RoPE included)."""
+        """Evaluation measures the model as loaded (an adapter's RoPE included), through its own
+        attention: a method installed earlier (a pattern scored before) is dropped."""
+        restore_own_attention(model)
 
 
 # --- padding --------------------------------------------------------------------------------

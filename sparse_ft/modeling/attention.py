@@ -114,13 +114,7 @@ def use_attention(model: torch.nn.Module, method: AttentionMethod) -> torch.nn.M
     _check_supported(base, layers)
     method.check_model(base.config)  # fail now, not mid-forward
     if not method.replaces_attention:
-        for layer in layers:
-            if hasattr(layer, _METHOD_ATTR):
-                delattr(layer, _METHOD_ATTR)
-        original = getattr(base, _ORIGINAL_ATTR, None)
-        if original is not None:
-            _set_implementation(base, original)
-            delattr(base, _ORIGINAL_ATTR)
+        restore_own_attention(model)
         return model
     _register()
     current = base.config._attn_implementation
@@ -130,6 +124,20 @@ def use_attention(model: torch.nn.Module, method: AttentionMethod) -> torch.nn.M
     for layer in layers:
         setattr(layer, _METHOD_ATTR, method)
     return model
+
+
+def restore_own_attention(model: torch.nn.Module) -> None:
+    """Drop any method installed in ``model``: its own implementation (sdpa, eager, ...) again,
+    logits bit-identical to never having switched. A no-op on a model that never had one,
+    whatever its architecture (the method ``full`` evaluates any model)."""
+    base = pretrained(model)
+    for layer in base.modules():
+        if hasattr(layer, _METHOD_ATTR):
+            delattr(layer, _METHOD_ATTR)
+    original = getattr(base, _ORIGINAL_ATTR, None)
+    if original is not None:
+        _set_implementation(base, original)
+        delattr(base, _ORIGINAL_ATTR)
 
 
 def _set_implementation(model, implementation: str) -> None:

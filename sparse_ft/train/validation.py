@@ -204,7 +204,7 @@ class Validation:
         was_training = model.training
         model.eval()
         try:
-            use_attention(model, self.method)  # full's apply leaves the model as it is: the training pattern
+            use_attention(model, self.method)  # off the training pattern before any task runs
             with rng_untouched(), torch.no_grad(), autocast:
                 for name, task in self.tasks.items():
                     began = time.perf_counter()
