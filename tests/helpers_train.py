@@ -19,6 +19,9 @@ import torch
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parent.parent
+# ``deepspeed`` of the interpreter running the tests, also where DeepSpeed is installed without
+# its bin/ script (pip --target, as on the lent GPU machine)
+DEEPSPEED = [sys.executable, "-m", "deepspeed.launcher.runner"]
 STEPS = 8
 # The base already has linear RoPE scaling x2: extending 256 -> 512 must compose to x4, not replace it.
 BASE_ROPE = "model.tiny={rope_parameters: {rope_type: linear, factor: 2.0, rope_theta: 10000.0}}"

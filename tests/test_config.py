@@ -208,3 +208,15 @@ def test_sequence_parallel_follows_deepspeeds_rules(sp, world, heads, kv_heads, 
     else:
         with pytest.raises(ValueError, match=rf"recipe key train.sequence_parallel_size={sp} is invalid: {message}"):
             check_sequence_parallel(sp, world, heads, kv_heads)
+
+
+def test_an_arch_specific_cuda_arch_list_is_refused_before_deepspeed_builds_its_ops():
+    """9.0a (NVIDIA's Hopper images) broke DeepSpeed 0.19's op build on an H200, after the weights."""
+    from sparse_ft.config.deepspeed_file import check_cuda_arch_list
+
+    for fine in (None, "", "8.0;9.0", "8.6 9.0+PTX"):
+        check_cuda_arch_list(fine, {})
+    check_cuda_arch_list("9.0a", {"fused_adam": True, "cpu_adam": True})  # prebuilt: nothing to build
+    with pytest.raises(ValueError, match=r"^environment variable TORCH_CUDA_ARCH_LIST='8.0;9.0a' is refused under "
+                                         r"DeepSpeed: its entry '9.0a' .* N.N or N.N\+PTX .*TORCH_CUDA_ARCH_LIST='8.0;9.0'$"):
+        check_cuda_arch_list("8.0;9.0a", {"fused_adam": True, "cpu_adam": False})

@@ -20,7 +20,7 @@ from sparse_ft import use_attention
 from sparse_ft.modeling.tiny import tiny_llama
 
 from helpers_train import assert_adapter_reproduces_probe
-from test_evaluation import SHAPES, check_quantised_ppl
+from test_evaluation import SHAPES as QUANTISED_SHAPES, check_quantised_ppl
 from test_kernels_lse import SHAPES, dca_cases, qkv as lse_qkv
 from test_patterns import PATTERNS, qkv
 from test_train_deepspeed import launch
@@ -137,7 +137,7 @@ def test_tiny_llama_trains_through_each_pattern(name, params):
     assert model.model.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
 
 
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("shape", QUANTISED_SHAPES)
 def test_nf4_evaluation(tmp_path, shape):
     pytest.importorskip("bitsandbytes")
     check_quantised_ppl(tmp_path, "cuda", shape)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers_train import ROOT, one_thread, overrides  # noqa: F401
+from helpers_train import DEEPSPEED, ROOT, one_thread, overrides  # noqa: F401
 from test_train_deepspeed import free_port
 
 ALLOW = "train.resume_allow_changes=[world_size,train.gradient_accumulation_steps]"
@@ -59,8 +59,7 @@ def samples_by_step(trace: Path, steps: range) -> dict[int, list[int]]:
 
 def launch(out: Path, cache: Path, trace: Path, *extra: str) -> str:
     """Two ranks of this module under ``deepspeed --num_gpus 2``; their stdout."""
-    launcher = Path(sys.executable).parent / "deepspeed"
-    argv = [str(launcher), "--num_gpus", "2", "--master_port", str(free_port()), str(Path(__file__)), str(trace),
+    argv = [*DEEPSPEED, "--num_gpus", "2", "--master_port", str(free_port()), str(Path(__file__)), str(trace),
             *overrides(out, cache, *SETTINGS, *extra)]
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers_train import ROOT, assert_adapter_reproduces_probe, one_thread, overrides  # noqa: F401
+from helpers_train import DEEPSPEED, ROOT, assert_adapter_reproduces_probe, one_thread, overrides  # noqa: F401
 from test_train_deepspeed import free_port
 
 PATTERNS = ("s2", "scca_flow", "longmixed")
@@ -64,8 +64,7 @@ def test_ulysses_two_ranks_train_exactly_like_one_process_and_resume(tmp_path):
     cache = tmp_path / "cache"
     short_documents(tmp_path).write_text(
         "".join(json.dumps({"text": f"document {i}: " + "word " * (8 + i % 37)}) + "\n" for i in range(64)))
-    launcher = Path(sys.executable).parent / "deepspeed"
-    argv = [str(launcher), "--num_gpus", "2", "--master_port", str(free_port()), str(Path(__file__)), str(tmp_path), str(cache)]
+    argv = [*DEEPSPEED, "--num_gpus", "2", "--master_port", str(free_port()), str(Path(__file__)), str(tmp_path), str(cache)]
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert f"resumed from {tmp_path / 'sp' / RESUMED / 'checkpoint-1'} at step 1" in done.stdout

@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from helpers_train import assert_adapter_reproduces_probe, losses, overrides, write_held_out
+from helpers_train import DEEPSPEED, assert_adapter_reproduces_probe, losses, overrides, write_held_out
 from sparse_ft.files.outputs import RUN_LOCK
 from sparse_ft.train import checkpoint
 
@@ -36,8 +36,7 @@ def free_port() -> int:
 
 def command(out: Path, cache: Path, *extra: str, gpus: int = 2) -> list[str]:
     """``deepspeed --num_gpus GPUS train.py recipe=tiny ...``: CPU ranks on gloo without CUDA."""
-    launcher = Path(sys.executable).parent / "deepspeed"
-    return [str(launcher), "--num_gpus", str(gpus), "--master_port", str(free_port()), "train.py", "recipe=tiny", "attention.pattern=scca_flow",
+    return [*DEEPSPEED, "--num_gpus", str(gpus), "--master_port", str(free_port()), "train.py", "recipe=tiny", "attention.pattern=scca_flow",
             "train.max_steps=4", "train.save_steps=2", *overrides(out, cache), *extra]
 
 

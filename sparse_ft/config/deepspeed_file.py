@@ -7,8 +7,9 @@ is refused when the recipe loads (``sparse_ft.config.schema``); the trainer fill
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from sparse_ft.config.paths import DS_CONFIG_DIR
 from sparse_ft.modeling.dtypes import DTYPES
@@ -93,6 +94,23 @@ def check_with_deepspeed(config: dict, name: str) -> None:
             first = err.errors()[0]
             field = ".".join(str(part) for part in (key, *first["loc"]))
             raise ValueError(f"deepspeed config {name}: {field}={first.get('input')!r} is invalid: {first['msg']}") from None
+
+
+def check_cuda_arch_list(value: Optional[str], prebuilt: dict[str, bool]) -> None:
+    """DeepSpeed (0.19) builds its optimizer ops (FusedAdam, CPU Adam) on first use and sorts
+    ``TORCH_CUDA_ARCH_LIST`` as numbers, so an arch-specific entry such as ``9.0a`` (set by
+    NVIDIA's Hopper images) ended a run on an H200 with "invalid literal for int() with base
+    10: '0a'" once the weights had loaded. Refused here instead, unless those ops are prebuilt
+    (``prebuilt``: DeepSpeed's ``installed_ops``)."""
+    if not value or (prebuilt.get("fused_adam") and prebuilt.get("cpu_adam")):
+        return
+    entries = [e for e in re.split(r"[;\s]+", value) if e]
+    bad = [e for e in entries if not re.fullmatch(r"\d+\.\d+(\+PTX)?", e)]
+    if bad:
+        fixed = ";".join(dict.fromkeys(re.sub(r"^(\d+\.\d+)[a-z]*", r"\1", e) for e in entries))
+        raise ValueError(f"environment variable TORCH_CUDA_ARCH_LIST={value!r} is refused under DeepSpeed: its entry "
+                         f"{bad[0]!r} breaks DeepSpeed's op build, which takes N.N or N.N+PTX entries only; "
+                         f"run with TORCH_CUDA_ARCH_LIST={fixed!r}")
 
 
 def is_auto(value: Any) -> bool:

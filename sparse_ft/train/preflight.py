@@ -13,7 +13,7 @@ import torch
 
 from attn_patterns import kernels
 from sparse_ft.config import Recipe
-from sparse_ft.config.deepspeed_file import check_with_deepspeed, read_deepspeed_config
+from sparse_ft.config.deepspeed_file import check_cuda_arch_list, check_with_deepspeed, read_deepspeed_config
 from sparse_ft.config.schema import BadInput, check_sequence_parallel, fail, one_line
 from sparse_ft.data.packing import check_source
 from sparse_ft.modeling.families import geometry
@@ -35,6 +35,10 @@ def preflight(recipe: Recipe, method: Method) -> None:
     if ds_config is not None:
         try:
             check_with_deepspeed(ds_config, recipe.deepspeed)
+            if torch.cuda.is_available():
+                from deepspeed.git_version_info import installed_ops
+
+                check_cuda_arch_list(os.environ.get("TORCH_CUDA_ARCH_LIST"), installed_ops)
         except ValueError as err:
             raise BadInput(str(err)) from None
     validation.check(recipe, method, ds_config and ds_config.get("zero_optimization", {}).get("stage"))
