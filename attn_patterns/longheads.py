@@ -45,7 +45,10 @@ from attn_patterns.kernels import attend_lse, lse_backend
 from attn_patterns.rotary import rotate as rerotate
 
 # Upper bound (estimated by _plan) on the elements of one step's tensors: memory independent of N.
+# A GPU takes 64x more per step (at most ~1 GiB): each step costs a few synchronising kernel
+# launches, and at 32 heads the CPU's bound left one query row per step (16 s at 8k on an H200).
 _BLOCK_ELEMENTS = 1 << 22
+_CUDA_BLOCK_ELEMENTS = 1 << 28
 
 
 def chunk_representations(
@@ -167,7 +170,8 @@ def longheads_attention(
                  chunks=chunks, inv_freq=inv_freq, scale=scale, keep_previous=keep_previous,
                  backend=lse_backend(backend, q, k, v, owner="longheads"))
     out = torch.empty_like(q)
-    per_block, steps = _plan(start=start, nk=nk, chunk_size=chunk_size, chunks=chunks, batch_heads=b * h, head_dim=d)
+    per_block, steps = _plan(start=start, nk=nk, chunk_size=chunk_size, chunks=chunks, batch_heads=b * h, head_dim=d,
+                             budget=_CUDA_BLOCK_ELEMENTS if q.is_cuda else _BLOCK_ELEMENTS)
     for blocks in steps:
         first = max(start, blocks[0][0] * chunk_size + blocks[0][1] * per_block)
         last = min(nk, blocks[-1][0] * chunk_size + min(chunk_size, (blocks[-1][1] + 1) * per_block))
@@ -204,8 +208,8 @@ def _chunk_gather(k: torch.Tensor, v: torch.Tensor, *, chunk_size: int, inv_freq
     return gather
 
 
-def _plan(*, start: int, nk: int, chunk_size: int, chunks: int, batch_heads: int,
-          head_dim: int) -> tuple[int, list[list[tuple[int, int]]]]:
+def _plan(*, start: int, nk: int, chunk_size: int, chunks: int, batch_heads: int, head_dim: int,
+          budget: Optional[int] = None) -> tuple[int, list[list[tuple[int, int]]]]:
     """Rows per block n and the blocks ``(chunk m, sub-block a)`` of each step: block (m, a)
     holds rows m·l + a·n .. m·l + a·n + n - 1 (those in the call and in chunk m are real).
     A step's size is bounded from above: a block gathers at most min(m, n·(k-1)) chunks
@@ -215,8 +219,9 @@ def _plan(*, start: int, nk: int, chunk_size: int, chunks: int, batch_heads: int
         gathered = min(chunk, per_block * (chunks - 1)) + 1
         return batch_heads * (gathered * chunk_size * (per_block + 2 * head_dim) + per_block * (chunks * head_dim + chunk + 1))
 
+    budget = budget or _BLOCK_ELEMENTS
     per_block = chunk_size
-    while per_block > 1 and cost((nk - 1) // chunk_size, per_block) > _BLOCK_ELEMENTS:
+    while per_block > 1 and cost((nk - 1) // chunk_size, per_block) > budget:
         per_block = (per_block + 1) // 2
     per_chunk = -(-chunk_size // per_block)
 
@@ -226,7 +231,7 @@ def _plan(*, start: int, nk: int, chunk_size: int, chunks: int, batch_heads: int
     steps, size = [[]], 0
     for block in (divmod(i, per_chunk) for i in range(block_number(start), block_number(nk - 1) + 1)):
         block_cost = cost(block[0], per_block)
-        if steps[-1] and size + block_cost > _BLOCK_ELEMENTS:
+        if steps[-1] and size + block_cost > budget:
             steps.append([])
             size = 0
         steps[-1].append(block)
