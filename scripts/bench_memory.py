@@ -30,18 +30,20 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 WRITER = "scripts/bench_memory.py"
-# the recipe keys of each configuration, over the baseline's
-# (chunks and tiles of 256 tokens: at these lengths the defaults, 2048-token loss chunks, would be
-# the whole sequence)
-CHUNKED = ["train.loss=chunked", "train.loss_chunk_tokens=256"]
-FEATURES = {
-    "baseline (model loss)": [],
-    "chunked loss": CHUNKED,
-    "chunked + offload": [*CHUNKED, "train.offload_activations=true"],
-    "chunked + tiled MLP": [*CHUNKED, "train.mlp_tile_tokens=256"],
-    "chunked + NF4": [*CHUNKED, "model.quantization=nf4"],
-    "all": [*CHUNKED, "train.offload_activations=true", "train.mlp_tile_tokens=256", "model.quantization=nf4"],
-}
+
+
+def feature_keys(tokens: int) -> dict[str, list[str]]:
+    """The recipe keys of each configuration over the baseline's, loss chunks and MLP tiles of
+    ``tokens`` (--chunk-tokens: 256 at CPU lengths, where the defaults, 2048-token loss chunks,
+    would be the whole sequence; a GPU's are the recipes' own, thousands)."""
+    chunked = ["train.loss=chunked", f"train.loss_chunk_tokens={tokens}"]
+    tiles, offload, nf4 = f"train.mlp_tile_tokens={tokens}", "train.offload_activations=true", "model.quantization=nf4"
+    return {"baseline (model loss)": [], "chunked loss": chunked, "chunked + offload": [*chunked, offload],
+            "chunked + tiled MLP": [*chunked, tiles], "chunked + NF4": [*chunked, nf4],
+            "all": [*chunked, offload, tiles, nf4]}
+
+
+FEATURES = list(feature_keys(256))
 BASELINE = ("full", "baseline (model loss)")
 # the benchmark's models: the CPU one has the tiny model's widths with Llama-2's vocabulary, so
 # that the loss weighs what it weighs at scale; 1b is sparse_ft.bench.models' GPU model
@@ -57,7 +59,7 @@ def configurations(patterns: list[str], features: list[str]) -> list[tuple[str, 
     return [BASELINE] + [(p, f) for f in features for p in patterns if (p, f) != BASELINE]
 
 
-def step_function(model_dir: Path, pattern: str, feature: str, n: int, *, device: str, dtype: str):
+def step_function(model_dir: Path, pattern: str, keys: list[str], n: int, *, device: str, dtype: str):
     """The model of one configuration and a function running one training step of ``n`` tokens."""
     import torch
 
@@ -68,7 +70,7 @@ def step_function(model_dir: Path, pattern: str, feature: str, n: int, *, device
     params = [] if pattern == "full" else ["attention.params.chunks=4"]
     recipe = load_recipe("tiny", [f"model.name_or_path={model_dir}", f"model.dtype={dtype}", f"model.target_length={n}",
                                   f"attention.pattern={pattern}", *params, "deepspeed=null", "train.loss=model",
-                                  "train.gradient_checkpointing=true", *FEATURES[feature]])
+                                  "train.gradient_checkpointing=true", *keys])
     method = training_method(recipe)
     model = build_model(recipe, str(model_dir), method) if recipe.model.quantization == "none" else None
     if model is None:  # build_model loads the base itself; NF4 on this device needs load_base's arguments
@@ -123,6 +125,7 @@ def main() -> int:
     parser.add_argument("--lengths", default="1024,2048")
     parser.add_argument("--patterns", default="full,scca_flow,s2,longmixed")
     parser.add_argument("--features", default=",".join(FEATURES), help=f"comma list of: {', '.join(FEATURES)}")
+    parser.add_argument("--chunk-tokens", type=int, default=256, help="tokens per loss chunk and per MLP tile")
     parser.add_argument("--model", choices=list(MODELS), default="tiny-v32k")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on CUDA")
@@ -153,6 +156,7 @@ def main() -> int:
     dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     lengths = [int(x) for x in args.lengths.split(",") if x]
     configs = configurations([p for p in args.patterns.split(",") if p], features)
+    keys = feature_keys(args.chunk_tokens)
     command = "python " + " ".join([f"scripts/{Path(sys.argv[0]).name}", *sys.argv[1:]])
     machine = describe(device)
     title = (f"training step (forward+backward, LoRA+ as the recipes train, gradient checkpointing, batch 1, {dtype}) of "
@@ -167,7 +171,7 @@ def main() -> int:
             base = None
             for pattern, feature in configs:
                 gc.collect()
-                build = lambda: step_function(model_dir, pattern, feature, n, device=str(device), dtype=dtype)  # noqa: E731
+                build = lambda: step_function(model_dir, pattern, keys[feature], n, device=str(device), dtype=dtype)  # noqa: E731
                 if device.type == "cuda":
                     before = held_bytes(device)
                     model, step = build()

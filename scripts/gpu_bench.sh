@@ -1,31 +1,37 @@
 #!/usr/bin/env bash
-# The GPU measurements of issue 12 on one lent H100 or H200, in three parts of under 10 minutes
-# each (one device call each; about 25 minutes in all), run from anywhere in the repository:
+# The GPU measurements of issues 12, 22 and 24 on one lent H100 or H200, in parts of under 10
+# minutes each (one device call each), run from anywhere in the repository:
 #
-#   scripts/gpu_bench.sh part1   # machine and versions, the GPU tests, attention kernels (sdpa, flex, flash if importable)
-#   scripts/gpu_bench.sh part2   # training step of the 1B Llama at 8k, 16k, 32k (sdpa, then flex)
-#   scripts/gpu_bench.sh part3   # DCA prefill 8k-64k vs SDPA's flash kernel; eval NF4 vs bf16 at 8k
+#   scripts/gpu_bench.sh part1   # machine and versions, every gpu-marked test, attention kernels (sdpa, flex, flash if importable)
+#   scripts/gpu_bench.sh part2   # training step of the 1B Llama at 8k, 16k, 32k, of Llama-3.1-8B's shapes at 32k (sdpa), then flex
+#   scripts/gpu_bench.sh part3   # DCA and LongHeads prefill 8k-128k vs SDPA's flash kernel; eval NF4 vs bf16 at 8k
 #   scripts/gpu_bench.sh part4   # issue 22: the memory planner against torch.cuda.max_memory_allocated
 #                                # (Llama-2-7B widths cut to 2 layers, 8k and 32k), and peak memory and
 #                                # tokens/s of a step with each memory feature (1B Llama, 8k-32k)
+#   scripts/gpu_bench.sh part5   # the longest QLoRA step of Llama-3.1-8B's shapes that fits, beside the planner
 #
 # Every step has its own time cap (each part under 8.5 minutes in all); a capped step keeps the rows it measured (the JSON says
 # "complete": false). Results: results/bench/<name>-<gpu>.{json,md}, the machine in
 # results/bench/machine-<gpu>.txt; with $OUT set (the device tool) they and the part's log are
 # copied there too, to be committed from this side with the command above.
 #
-# Nothing is installed from the network. Needs python3 (or $PYTHON) with CUDA torch,
-# transformers, peft, accelerate, safetensors, pyyaml, tqdm and numpy, as the device image has.
-# flash-attn is used only if it imports. bitsandbytes (part3's NF4 eval) is not in the image:
-# before the call, `python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12
-# --platform manylinux_2_24_x86_64 -d .whl bitsandbytes==0.50.2` (with /.whl/ in
-# .git/info/exclude) and carry `.whl`; this script installs any .whl/*.whl into /tmp/site.
+# Nothing is installed from the network. Needs python3 (or $PYTHON) with CUDA torch and what the
+# device image has (accelerate, safetensors, pyyaml, tqdm, numpy, pyarrow, triton). The rest of
+# the lock's versions travel as wheels in .git/info/exclude'd .whl/ (carried; this script installs
+# any .whl/*.whl into /tmp/site, ahead of the image's packages): on 2026-11-24 transformers 5.23.0,
+# peft 0.21.2, datasets 5.2.0, dill, multiprocess, hjson, pydantic 2.14.3 + pydantic-core 2.50.4,
+# annotated-types, typing-inspection, typing-extensions 4.16.0 (`python3 -m pip download --no-deps
+# --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_17_x86_64 -d .whl
+# NAME==VERSION`); bitsandbytes 0.50.2 with every libbitsandbytes_*.so but cuda130 and cpu deleted
+# from the wheel (`zip -d`: 43 MB to 4 MB, under the 64 MiB a call carries); deepspeed 0.19.8 as
+# the wheel pip built for the CPU lock (it JIT-builds FusedAdam with the image's nvcc, ~1 min).
+# flash-attn and liger-kernel are used only if they import (neither was carried).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PART=${1:-}
 PY=${PYTHON:-python3}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-case "$PART" in part1|part2|part3|part4) ;; *) echo "usage: scripts/gpu_bench.sh part1|part2|part3|part4" >&2; exit 2 ;; esac
+case "$PART" in part1|part2|part3|part4|part5) ;; *) echo "usage: scripts/gpu_bench.sh part1|part2|part3|part4|part5" >&2; exit 2 ;; esac
 
 if compgen -G ".whl/*.whl" >/dev/null; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
@@ -33,6 +39,9 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 GPU=$("$PY" -c 'import torch; assert torch.cuda.is_available(); print(torch.cuda.get_device_name().split()[1].lower())') \
     || { echo "scripts/gpu_bench.sh: no CUDA device for $PY" >&2; exit 1; }
+# DeepSpeed 0.19 builds its optimizer ops from TORCH_CUDA_ARCH_LIST and cannot read arch-specific
+# entries such as the Hopper images' 9.0a (the trainer refuses them by name): the plain arch instead
+[ -n "${TORCH_CUDA_ARCH_LIST:-}" ] && export TORCH_CUDA_ARCH_LIST=$(sed -E 's/([0-9]+\.[0-9]+)[a-z]+/\1/g' <<<"$TORCH_CUDA_ARCH_LIST")
 RES=results/bench
 LOG=${OUT:-/tmp}/gpu-$PART-$GPU.log
 mkdir -p "$RES"
@@ -71,31 +80,31 @@ for name in ("transformers", "peft", "accelerate", "triton", "flash_attn", "bits
         print(name, "not installed")
 EOF
     } | tee "$RES/machine-$GPU.txt"
-    if [ -f tests/test_gpu.py ]; then
-        WROTE+=("$RES/gpu-tests-$GPU.txt")
-        step 140 "gpu tests" "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py 2>&1 | tee "$RES/gpu-tests-$GPU.txt"
-    else
-        echo "== gpu tests: tests/test_gpu.py does not exist yet"
-    fi
+    WROTE+=("$RES/gpu-tests-$GPU.txt")
+    step 270 "gpu tests" "$PY" -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tee "$RES/gpu-tests-$GPU.txt"
     local backends=sdpa
     imports flash_attn && backends=sdpa,flash
-    bench 120 "attention-h32-d128-${backends//,/-}" attention --dtype bf16 --lengths 4096,8192,16384,32768 --heads 32 \
+    bench 110 "attention-h32-d128-${backends//,/-}" attention --dtype bf16 --lengths 4096,8192,16384,32768 --heads 32 \
         --kv-heads 8 --head-dims 128 --backends "$backends" --warmup 2 --repeats 5
     # FlexAttention compiles a kernel per pattern and length: the target lengths only.
-    bench 220 attention-h32-d128-flex attention --dtype bf16 --lengths 16384,32768 --heads 32 --kv-heads 8 \
+    bench 170 attention-h32-d128-flex attention --dtype bf16 --lengths 16384,32768 --heads 32 --kv-heads 8 \
         --head-dims 128 --backends flex --warmup 2 --repeats 5
 }
 
 part2() {
-    bench 300 train-1b train --model 1b --dtype bf16 --lengths 8192,16384,32768 \
+    bench 150 train-1b train --model 1b --dtype bf16 --lengths 8192,16384,32768 \
         --patterns s2,scca_fixed,scca_flow,longmixed --warmup 1 --repeats 3
+    bench 150 train-8b train --model 8b --dtype bf16 --lengths 32768 \
+        --patterns s2,scca_flow,longmixed --warmup 1 --repeats 2
     bench 180 train-1b-flex train --model 1b --dtype bf16 --lengths 16384,32768 --backend flex \
         --patterns s2,scca_fixed,longmixed --warmup 1 --repeats 2
 }
 
 part3() {
-    bench 250 dca-prefill dca --dtype bf16 --lengths 8192,16384,32768,65536 --heads 32 --kv-heads 8 --head-dim 128 \
+    bench 120 dca-prefill dca --dtype bf16 --lengths 8192,16384,32768,65536,131072 --heads 32 --kv-heads 8 --head-dim 128 \
         --pretraining-length 4096 --warmup 1 --repeats 3
+    bench 80 longheads dca --dtype bf16 --lengths 8192,16384,32768 --heads 32 --kv-heads 8 --head-dim 128 \
+        --pretraining-length 4096 --longheads --warmup 1 --repeats 2
     if imports bitsandbytes; then
         bench 220 eval-nf4 eval --model 1b --dtype bf16 --lengths 8192 --warmup 1 --repeats 3
     else
@@ -108,9 +117,17 @@ part4() {
     step 280 plan-check "$PY" scripts/plan_check.py --device cuda --cases gpu --output "$RES/plan-check-$GPU.json" \
         | tee "$RES/plan-check-$GPU.md"
     local features="baseline (model loss),chunked loss,chunked + offload,chunked + tiled MLP"
-    imports bitsandbytes && features="$features,chunked + NF4,all"
-    step 220 bench-memory "$PY" scripts/bench_memory.py --device cuda --model 1b --lengths 8192,16384,32768 \
-        --patterns full,scca_flow,s2 --features "$features" --output "$RES/memory-$GPU.json" --overwrite
+    imports bitsandbytes && features="$features,all"
+    step 220 bench-memory "$PY" scripts/bench_memory.py --device cuda --model 1b --lengths 32768 --chunk-tokens 4096 \
+        --patterns full,s2 --features "$features" --output "$RES/memory-$GPU.json" --overwrite
+}
+
+part5() {
+    # the planner's longest fit for this recipe on a 140 GiB H200 is 206,848 tokens; an H200 measured
+    # 180,224 to fit and 196,608 not (results/bench/fit-8b-h200.md)
+    WROTE+=("$RES/fit-8b-$GPU.json" "$RES/fit-8b-$GPU.md")
+    step 500 fit-8b "$PY" scripts/fit_length.py --lengths 131072,180224,196608,206848 \
+        --output "$RES/fit-8b-$GPU.json" --overwrite
 }
 
 exec > >(tee "$LOG") 2>&1

@@ -92,8 +92,17 @@ def test_1b_model_is_the_issue_shape():
         model = AutoModelForCausalLM.from_config(config)
     assert type(model).__name__ == "LlamaForCausalLM"
     assert 0.8e9 < sum(p.numel() for p in model.parameters()) < 1.1e9
-    with pytest.raises(ValueError, match="--model '7b' is unknown; allowed: tiny, 1b"):
+    with pytest.raises(ValueError, match="--model '7b' is unknown; allowed: tiny, 1b, 8b$"):
         models.config("7b", 8)
+
+
+def test_8b_model_has_the_planners_llama31_shape():
+    from sparse_ft.plan.geometry import KNOWN, from_config
+
+    shape = from_config(models.config("8b", 8192), "8b")
+    want = KNOWN["meta-llama/Llama-3.1-8B"]
+    assert (shape.layers, shape.hidden, shape.heads, shape.kv_heads, shape.intermediate, shape.vocab) == (
+        want.layers, want.hidden, want.heads, want.kv_heads, want.intermediate, want.vocab)
 
 
 def test_out_of_memory_is_recorded_and_the_sweep_goes_on():
@@ -137,17 +146,24 @@ def test_bench_keeps_the_rows_measured_before_a_stop(tmp_path):
     assert (tmp_path / "x.md").read_text() == "title\n\nCommand: `sparse-ft bench x`\n\n1 rows\n\n<!-- sparse_ft_output: sparse-ft bench x -->\n"
 
 
-def test_bench_dca_against_causal_sdpa(tmp_path, capsys):
+@pytest.mark.parametrize("longheads", [False, True])
+def test_bench_dca_against_causal_sdpa(tmp_path, capsys, longheads):
     out = tmp_path / "dca.json"
     assert main(["bench", "dca", "--lengths", "150,300", "--pretraining-length", "128", "--heads", "4", "--kv-heads",
-                 "2", "--head-dim", "16", "--warmup", "0", "--repeats", "1", "--output", str(out)]) == 0
+                 "2", "--head-dim", "16", "--warmup", "0", "--repeats", "1", "--output", str(out),
+                 *(["--longheads"] if longheads else [])]) == 0
     payload = json.loads(out.read_text())
     assert (payload["heads"], payload["kv_heads"], payload["head_dim"], payload["pretraining_length"]) == (4, 2, 16, 128)
     first, second = payload["results"]
     assert first["memory_exponent"] is None and first["chunk_size"] == 96 and first["local_window"] == 32
     for r in (first, second):
         assert r["dca_ms"] > 0 and r["dense_ms"] > 0 and abs(r["time_ratio"] - r["dca_ms"] / r["dense_ms"]) < 1e-9
+        if longheads:  # its throughput as a fraction of DCA's
+            assert r["longheads_ms"] > 0 and abs(r["longheads_vs_dca_throughput"] - r["dca_ms"] / r["longheads_ms"]) < 1e-9
+        else:
+            assert "longheads_ms" not in r
     assert "| 300 |" in capsys.readouterr().out and "DCA memory exponent" in out.with_suffix(".md").read_text()
+    assert ("LongHeads / DCA throughput" in out.with_suffix(".md").read_text()) == longheads
 
 
 def test_bench_eval_nf4_against_unquantised(tmp_path):

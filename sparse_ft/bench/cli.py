@@ -45,8 +45,9 @@ def _common(p: argparse.ArgumentParser, lengths: str) -> None:
 
 
 def _model(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", choices=["tiny", "1b"], default="tiny",
-                   help="tiny: 4 layers x 256 (CPU); 1b: 16 layers x 2048, 32 heads, 8 KV heads (GPU)")
+    p.add_argument("--model", choices=["tiny", "1b", "8b"], default="tiny",
+                   help="tiny: 4 layers x 256 (CPU); 1b: 16 layers x 2048, 32 heads, 8 KV heads (GPU); "
+                        "8b: Llama-3.1-8B's shapes (GPU)")
 
 
 def configure(bench: argparse.ArgumentParser) -> None:
@@ -65,7 +66,7 @@ def configure(bench: argparse.ArgumentParser) -> None:
     t.add_argument("--patterns", default="s2,scca_fixed,scca_flow,longmixed", help="patterns beside full attention (comma list)")
     _model(t)
     t.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=None,
-                   help="default: on for --model 1b (as the recipes train), off for tiny")
+                   help="default: on for the GPU models, 1b and 8b (as the recipes train), off for tiny")
     t.add_argument("--backend", choices=BACKENDS, default=None, help="the patterns' backend, as attention.backend (default: sdpa)")
     t.set_defaults(func=main_train)
     d = which.add_parser("dca", help="DCA prefill time and peak memory vs causal SDPA (its flash kernel on CUDA)")
@@ -74,6 +75,7 @@ def configure(bench: argparse.ArgumentParser) -> None:
     d.add_argument("--kv-heads", type=int, default=2, help="key/value heads")
     d.add_argument("--head-dim", type=int, default=64, help="head dimension")
     d.add_argument("--pretraining-length", type=int, default=4096, help="c (Llama-2: 4096); s = 3c/4, w = c - s")
+    d.add_argument("--longheads", action="store_true", help="also LongHeads on the same q, k, v (its throughput vs DCA's)")
     d.set_defaults(func=main_dca)
     e = which.add_parser("eval", help="sliding-window PPL tokens/s of a 4-bit NF4 model vs the same model unquantised")
     _common(e, "8192")
@@ -181,7 +183,7 @@ def main_train(args: argparse.Namespace) -> int:
     if args.backend is not None:
         _backends(args.backend, device, dtype, "bench train: --backend")
     train_step.trained_methods(patterns, args.backend, dtype)  # the names and backend a recipe takes
-    checkpointing = args.model == "1b" if args.gradient_checkpointing is None else args.gradient_checkpointing
+    checkpointing = args.model != "tiny" if args.gradient_checkpointing is None else args.gradient_checkpointing
     machine = describe(device)
     title = (f"training step (forward+backward, LoRA+ as the recipes train, gradient checkpointing "
              f"{'on' if checkpointing else 'off'}, batch 1, {dtype}, patterns on {args.backend or 'sdpa'}, full attention "
@@ -210,11 +212,11 @@ def main_dca(args: argparse.Namespace) -> int:
     title = (f"DCA prefill vs causal SDPA{' (flash kernel)' if device.type == 'cuda' else ''}, {dtype}, "
              f"H={args.heads}/{args.kv_heads}, D={args.head_dim}, c={c}, s={s}, w={w}, fastest of {args.repeats} "
              f"alternating runs after {args.warmup} warm-up, on {machine}")
-    rows = dca.run(lengths, args.heads, args.kv_heads, args.head_dim, pretraining_length=c, dtype=dtype,
+    rows = dca.run(lengths, args.heads, args.kv_heads, args.head_dim, pretraining_length=c, longheads=args.longheads, dtype=dtype,
                    device=str(device), warmup=args.warmup, repeats=args.repeats)
     return _sweep(args, title, rows, dca.markdown,
                   payload={"machine": machine, "device": str(device), "dtype": dtype, "heads": args.heads,
-                   "kv_heads": args.kv_heads, "head_dim": args.head_dim, "pretraining_length": c,
+                   "kv_heads": args.kv_heads, "head_dim": args.head_dim, "pretraining_length": c, "longheads": args.longheads,
                    "warmup": args.warmup, "repeats": args.repeats})
 
 

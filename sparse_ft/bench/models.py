@@ -12,10 +12,13 @@ from sparse_ft.modeling.tiny import tiny_llama_config
 
 # ``tiny``: small enough for a CPU. ``1b``: the 1B-scale Llama (TinyLlama's widths with
 # 16 layers: 0.85B parameters), where attention's share of a step is what it is in practice.
+# ``8b``: Llama-3.1-8B's shapes (sparse_ft/plan/geometry.py), where the MLP's share is larger.
 MODELS: dict[str, dict[str, Any]] = {
     "tiny": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
                  num_key_value_heads=2),
     "1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
+               num_attention_heads=32, num_key_value_heads=8),
+    "8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                num_attention_heads=32, num_key_value_heads=8),
 }
 
