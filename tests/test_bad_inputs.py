@@ -56,9 +56,6 @@ CUT_SHORT = [("model.safetensors", b"\x10\x00\x00\x00\x00\x00\x00\x00{}")]
 CASES = {
     "quantization unknown": (
         ["model.quantization=nf8"], None, r"recipe key model.quantization='nf8' is invalid: allowed: none, nf4$"),
-    "nf4 under ZeRO-3": (
-        ["model.quantization=nf4", "deepspeed=zero3_cpu_fp32"], None,
-        r"recipe key model.quantization='nf4' is invalid: deepspeed config zero3_cpu_fp32 is ZeRO-3, .*; use a ZeRO-2 config"),
     "loss unknown": (["train.loss=fused"], None, r"recipe key train.loss='fused' is invalid: allowed: chunked, model$"),
     "offload without checkpointing": (
         ["train.offload_activations=true", "train.gradient_checkpointing=false"], None,

@@ -32,6 +32,9 @@ def test_weights_of_a_7b_in_bf16_and_nf4():
     zero3 = memory.weights(Setup(shape=LLAMA2, zero_stage=3, world_size=8))
     assert zero3["weights"] == pytest.approx(LLAMA2.params() * 2 / 8)
     assert zero3["weights gathered (ZeRO-3)"] == 2 * LLAMA2.layer_linear_params() * 2
+    qlora3 = memory.weights(Setup(shape=LLAMA2, quantization="nf4", zero_stage=3, world_size=8))  # gathers packed NF4
+    assert qlora3["weights"] == pytest.approx(nf4 / 8)
+    assert qlora3["weights gathered (ZeRO-3)"] == pytest.approx(2 * LLAMA2.layer_linear_params() * 4.127 / 8, rel=1e-4)
 
 
 def test_trainable_count_is_peft_s():

@@ -5,6 +5,9 @@ it was trained to, evaluates with ``--load-in-4bit``, and merges onto the unquan
 which differs from the trained model by the NF4 rounding only."""
 
 import json
+import re
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -94,20 +97,113 @@ def test_pretraining_a_quantized_base_is_refused(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.slow
-def test_qlora_on_two_deepspeed_zero2_ranks_saves_an_adapter_that_reloads_over_nf4(tmp_path):
+@pytest.fixture(scope="module")
+def zero2_nf4(tmp_path_factory):
+    """A two-rank ZeRO-2 QLoRA run (bf16, scca_flow, 4 steps): its directory."""
     from test_train_deepspeed import launch
 
-    out = tmp_path / "ds"
-    launch(out, tmp_path / "cache", "deepspeed=zero2_bf16", "model.dtype=bfloat16", "model.quantization=nf4")
-    summary = json.loads((out / "train_summary.json").read_text())
-    assert summary["world_size"] == 2 and summary["steps"] == 4
-    assert all(0 < record["loss"] < 10 for record in summary["history"])
-    tensors = load_file(str(out / "adapter" / "adapter_model.safetensors"))
-    assert any("lora_A" in k for k in tensors) and all(t.numel() for t in tensors.values())
+    root = tmp_path_factory.mktemp("zero2-nf4")
+    launch(root / "ds", root / "cache", "deepspeed=zero2_bf16", "model.dtype=bfloat16", "model.quantization=nf4")
+    return root / "ds"
+
+
+def assert_reloads_over_nf4(out) -> torch.Tensor:
+    """The run's adapter is complete and reloads over the NF4 base; its logits."""
     from sparse_ft.evaluation import loading
 
+    tensors = load_file(str(out / "adapter" / "adapter_model.safetensors"))
+    assert any("lora_A" in k for k in tensors) and all(t.numel() for t in tensors.values())
     model, _ = loading.load(None, str(out / "adapter"), "bfloat16", load_in_4bit=True, compute_dtype="bfloat16",
                             device="cpu", tokenizer=False)
     with torch.no_grad():
-        assert torch.isfinite(model(input_ids=torch.arange(3, 67)[None]).logits).all()
+        logits = model(input_ids=torch.arange(3, 67)[None]).logits
+    assert torch.isfinite(logits).all()
+    return logits
+
+
+@pytest.mark.slow
+def test_qlora_on_two_deepspeed_zero2_ranks_saves_an_adapter_that_reloads_over_nf4(zero2_nf4):
+    summary = json.loads((zero2_nf4 / "train_summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 4
+    assert all(0 < record["loss"] < 10 for record in summary["history"])
+    assert_reloads_over_nf4(zero2_nf4)
+
+
+@pytest.mark.slow
+def test_qlora_on_two_zero3_ranks_trains_as_zero2_does(zero2_nf4, tmp_path):
+    """ZeRO-3 partitions the 4-bit weights (stored in bf16) and gathers them for each layer:
+    the same quantised base, data and steps as ZeRO-2, so the same losses (the first two
+    equal, the optimizer's partitioned bf16 arithmetic then moves the fourth decimal at most),
+    and an adapter that reloads over NF4 to ZeRO-2's logits within that."""
+    from test_train_deepspeed import launch
+
+    out = tmp_path / "ds"
+    launch(out, tmp_path / "cache", "deepspeed=zero3_bf16", "model.dtype=bfloat16", "model.quantization=nf4")
+    zero3, zero2 = (json.loads((d / "train_summary.json").read_text()) for d in (out, zero2_nf4))
+    assert zero3["world_size"] == 2 and zero3["steps"] == 4
+    got, want = ([r["loss"] for r in run["history"]] for run in (zero3, zero2))
+    assert got[:2] == want[:2] and max(abs(a - b) for a, b in zip(got, want)) < 1e-3
+    torch.testing.assert_close(assert_reloads_over_nf4(out), assert_reloads_over_nf4(zero2_nf4), atol=2e-2, rtol=0)
+
+
+@pytest.mark.slow
+def test_zero3_partitions_the_4bit_weights_and_gathers_them_exactly(tmp_path):
+    """Two ranks load the NF4 base as the trainer does under ZeRO-3 and initialise DeepSpeed:
+    each holds half of every packed 4-bit weight, and the partitioned model's logits equal the
+    unpartitioned NF4 model's exactly (this file's ``__main__``)."""
+    from helpers_train import DEEPSPEED, ROOT
+    from sparse_ft.modeling.model_io import materialize_tiny
+    from test_train_deepspeed import free_port
+
+    model = materialize_tiny(tmp_path / "model", 0)
+    done = subprocess.run([*DEEPSPEED, "--num_gpus", "2", "--master_port", str(free_port()), __file__, str(model)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert sorted(re.findall(r"rank (\d): partitioned, logits equal", done.stdout)) == ["0", "1"], done.stdout[-3000:]
+
+
+def test_nf4_under_zero3_is_refused_by_name_where_4bit_storage_is_not_float(monkeypatch):
+    from sparse_ft.config import load_recipe
+    from sparse_ft.config.schema import BadInput
+    from sparse_ft.modeling import quantization
+
+    assert quantization.float_storage_refused() is None  # the locked versions support it
+    monkeypatch.setattr(quantization, "float_storage_refused",
+                        lambda: "transformers 4.38.2 has no bnb_4bit_quant_storage (needs >= 4.39)")
+    with pytest.raises(BadInput, match=r"^recipe key model.quantization='nf4' is invalid: deepspeed config zero3_bf16 is "
+                                       r"ZeRO-3, which partitions 4-bit weights only in a float storage dtype, and "
+                                       r"transformers 4.38.2 has no .*; use a ZeRO-2 config \(zero2_bf16, zero2_fp16\) or "
+                                       r"deepspeed: null$"):
+        load_recipe("tiny", ["model.quantization=nf4", "deepspeed=zero3_bf16", "model.dtype=bfloat16"])
+
+
+if __name__ == "__main__":  # a rank of test_zero3_partitions_the_4bit_weights_and_gathers_them_exactly
+    import os
+    import sys
+
+    import deepspeed
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from sparse_ft.config import load_recipe
+    from sparse_ft.config.deepspeed_file import read_deepspeed_config
+    from sparse_ft.train.model_setup import load_base
+
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo")
+    path = sys.argv[-1]
+    ids = torch.arange(3, 40)[None]
+    plain = load_base(load_recipe("tiny", ["deepspeed=null", "model.dtype=bfloat16", "model.quantization=nf4"]), path)
+    with torch.no_grad():
+        want = plain(input_ids=ids).logits
+    ds = {**read_deepspeed_config("zero3_bf16"), "train_micro_batch_size_per_gpu": 1, "train_batch_size": 2,
+          "gradient_accumulation_steps": 1, "gradient_clipping": 1.0}
+    ds.pop("optimizer", None)
+    model = load_base(load_recipe("tiny", ["deepspeed=zero3_bf16", "model.dtype=bfloat16", "model.quantization=nf4"]), path, ds)
+    engine, *_ = deepspeed.initialize(model=model, config=ds)
+    weight = model.model.layers[0].self_attn.q_proj.weight
+    assert type(weight).__name__ == "Params4bit" and weight.dtype == torch.bfloat16
+    assert weight.ds_tensor.numel() * 2 == weight.ds_numel and weight.numel() == 0  # half of it here, gathered on use
+    with torch.no_grad():
+        got = engine(input_ids=ids).logits
+    assert torch.equal(got, want), (got - want).abs().max()
+    print(f"rank {os.environ['RANK']}: partitioned, logits equal", flush=True)

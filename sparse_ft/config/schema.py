@@ -398,8 +398,12 @@ def _check_deepspeed(recipe: Recipe, config: dict) -> None:
         if key in config and not is_auto(config[key]) and config[key] != owned(recipe.train):
             raise BadInput(f"{where} sets {key}={config[key]!r} but the recipe says {owned(recipe.train)!r}; write \"auto\" there")
     if recipe.model.quantization != "none" and config.get("zero_optimization", {}).get("stage") == 3:
-        fail("model.quantization", recipe.model.quantization, f"{where} is ZeRO-3, which cannot partition bitsandbytes' "
-             "4-bit weights here; use a ZeRO-2 config (zero2_bf16, zero2_fp16) or deepspeed: null")
+        from sparse_ft.modeling.quantization import float_storage_refused
+
+        why = float_storage_refused()
+        if why is not None:
+            fail("model.quantization", recipe.model.quantization, f"{where} is ZeRO-3, which partitions 4-bit weights only "
+                 f"in a float storage dtype, and {why}; use a ZeRO-2 config (zero2_bf16, zero2_fp16) or deepspeed: null")
     trains_in = precision(config)
     if trains_in != recipe.model.dtype:
         fail("model.dtype", recipe.model.dtype, f"{where} trains in {trains_in}; use a matching config or model.dtype={trains_in}")

@@ -30,6 +30,24 @@ def bnb_config(bits: int, compute_dtype: torch.dtype, skip: Optional[list[str]] 
                               bnb_4bit_compute_dtype=compute_dtype, llm_int8_skip_modules=skip)
 
 
+def float_storage_refused() -> Optional[str]:
+    """Why the installed transformers and bitsandbytes cannot keep 4-bit weights in a float
+    storage dtype (``bnb_4bit_quant_storage``), or None where they can. ZeRO-3 partitions
+    parameters of one float dtype: stored as ``model.dtype``, the packed 4-bit weights are
+    partitioned and gathered like any other weight, their quantisation state kept aside."""
+    import inspect
+
+    import bitsandbytes
+    import transformers
+    from transformers import BitsAndBytesConfig
+
+    if "bnb_4bit_quant_storage" not in inspect.signature(BitsAndBytesConfig).parameters:
+        return f"transformers {transformers.__version__} has no bnb_4bit_quant_storage (needs >= 4.39)"
+    if "quant_storage" not in inspect.signature(bitsandbytes.nn.Params4bit.__new__).parameters:
+        return f"bitsandbytes {bitsandbytes.__version__} has no 4-bit quant_storage (needs >= 0.43)"
+    return None
+
+
 def plan(config: Any, bits: int, device: str, dtype: torch.dtype, *, compute_dtype: torch.dtype,
          trust_remote_code: bool = False) -> tuple[Any, dict[str, str]]:
     """The ``BitsAndBytesConfig`` for ``config``'s model on ``device``, and the linear layers

@@ -97,7 +97,7 @@ def weights(setup: Setup) -> dict[str, float]:
     shard = setup.world_size if setup.zero_stage == 3 else 1
     parts = {"weights": (linear_bytes + rest * a) / shard}
     if setup.zero_stage == 3 and setup.world_size > 1:  # the layer in use and the one prefetched, gathered
-        parts["weights gathered (ZeRO-3)"] = 2 * s.layer_linear_params() * a
+        parts["weights gathered (ZeRO-3)"] = 2 * s.layer_linear_params() * (NF4_BITS / 8 if setup.quantization == "nf4" else a)
     return parts
 
 

@@ -56,15 +56,21 @@ def build_model(recipe: Recipe, path: str, method: Method, ds_config: Optional[d
 def load_base(recipe: Recipe, path: str, ds_config: Optional[dict] = None):
     """The base model at ``path`` in the recipe's dtype, extended to ``model.target_length``;
     under ZeRO-3 its weights load partitioned; with ``model.quantization: nf4`` its linear
-    layers load as bitsandbytes NF4 on this process's device."""
+    layers load as bitsandbytes NF4 on this process's device, under ZeRO-3 stored in
+    ``model.dtype`` so that DeepSpeed partitions them when it initialises (the layers are
+    planned before ZeRO-3's config is registered: its ``zero.Init`` cannot build the meta
+    model the plan reads)."""
     from transformers import AutoModelForCausalLM
 
     config = extended_config(path, recipe.model.target_length, recipe.model.rope_method, recipe.model.trust_remote_code)
+    quantized = nf4_loading(recipe, config) if recipe.model.quantization == "nf4" else {}
     if ds_config is not None and ds_config.get("zero_optimization", {}).get("stage") == 3:
         from transformers.integrations import HfDeepSpeedConfig
 
+        if quantized:
+            quantized["quantization_config"].bnb_4bit_quant_storage = DTYPES[recipe.model.dtype]
+            del quantized["device_map"]
         _KEEP_ALIVE.append(HfDeepSpeedConfig(ds_config))  # weights load partitioned (zero.Init)
-    quantized = nf4_loading(recipe, config) if recipe.model.quantization == "nf4" else {}
     return AutoModelForCausalLM.from_pretrained(
         path, config=config, dtype=DTYPES[recipe.model.dtype], trust_remote_code=recipe.model.trust_remote_code, **quantized
     )
