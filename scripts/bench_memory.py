@@ -63,39 +63,20 @@ def step_function(model_dir: Path, pattern: str, keys: list[str], n: int, *, dev
     """The model of one configuration and a function running one training step of ``n`` tokens."""
     import torch
 
+    from sparse_ft.bench.recipe_step import recipe_step
     from sparse_ft.config import load_recipe
-    from sparse_ft.train.loss import training_loss
-    from sparse_ft.train.model_setup import build_model, load_base, training_method
 
     params = [] if pattern == "full" else ["attention.params.chunks=4"]
     recipe = load_recipe("tiny", [f"model.name_or_path={model_dir}", f"model.dtype={dtype}", f"model.target_length={n}",
                                   f"attention.pattern={pattern}", *params, "deepspeed=null", "train.loss=model",
                                   "train.gradient_checkpointing=true", *keys])
-    method = training_method(recipe)
-    model = build_model(recipe, str(model_dir), method) if recipe.model.quantization == "none" else None
-    if model is None:  # build_model loads the base itself; NF4 on this device needs load_base's arguments
-        from sparse_ft.train.activations import reduce_activation_memory
-        from sparse_ft.train.model_setup import add_adapters
+    model, step = recipe_step(recipe, model_dir, torch.device(device))
 
-        model = add_adapters(load_base(recipe, str(model_dir)), recipe.lora, method, True)
-        model = reduce_activation_memory(model, recipe.train)
-    model = model.to(device).train()
-    half = recipe.model.dtype != "float32"
-    for p in model.parameters():
-        if p.requires_grad and half:
-            p.data = p.data.float()  # fp32 masters, as the trainer keeps them
-    loss_fn = training_loss(model, recipe.train.loss, recipe.train.loss_chunk_tokens)
-    vocab = model.config.vocab_size
-    ids = torch.randint(0, vocab, (1, n), device=device, generator=torch.Generator(device=device).manual_seed(n))
-    autocast_dtype = getattr(torch, recipe.model.dtype)
-
-    def step() -> None:
+    def fresh_step() -> None:
         model.zero_grad(set_to_none=True)
-        with torch.autocast(torch.device(device).type, dtype=autocast_dtype, enabled=half):
-            loss = loss_fn(model, model, {"input_ids": ids, "labels": ids})
-        loss.backward()
+        step(n)
 
-    return model, step
+    return model, fresh_step
 
 
 def markdown(rows: list[dict]) -> str:

@@ -67,11 +67,10 @@ def main() -> int:
     if not torch.cuda.is_available():
         raise SystemExit("fit_length: needs a CUDA device (it measures what fits on one)")
     from sparse_ft.bench.machine import describe
+    from sparse_ft.bench.recipe_step import recipe_step
     from sparse_ft.config import load_recipe
     from sparse_ft.plan import memory
     from sparse_ft.plan.cli import setup_from_recipe
-    from sparse_ft.train.loss import training_loss
-    from sparse_ft.train.model_setup import build_model, training_method
 
     device = torch.device("cuda")
     total = torch.cuda.get_device_properties(device).total_memory
@@ -83,21 +82,8 @@ def main() -> int:
                      "train.offload_activations=false", *args.keys.split()]
         recipe = load_recipe(RECIPE, overrides)
         setup = setup_from_recipe(recipe)
-        method = training_method(recipe)
-        model = build_model(recipe, str(model_dir), method).to(device).train()
-        trainable = [p for p in model.parameters() if p.requires_grad]
-        for p in trainable:
-            p.data = p.data.float()  # fp32 masters, as the trainer keeps them
-        loss_fn = training_loss(model, recipe.train.loss, recipe.train.loss_chunk_tokens)
-        optimizer = torch.optim.AdamW(trainable, lr=1e-5)
-        vocab = model.config.vocab_size
-
-        def step(n: int) -> None:
-            ids = torch.randint(0, vocab, (1, n), device=device)
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = loss_fn(model, model, {"input_ids": ids, "labels": ids})
-            loss.backward()
-
+        model, step = recipe_step(recipe, model_dir, device)
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
         step(16)
         optimizer.step()
         print(f"model built and loaded in {time.perf_counter() - started:.0f} s", flush=True)
@@ -123,7 +109,7 @@ def main() -> int:
     machine = describe(device)
     command = "python " + " ".join([f"scripts/{Path(sys.argv[0]).name}", *sys.argv[1:]])
     title = (f"Longest QLoRA step of Llama-3.1-8B's shapes ({RECIPE} + {' '.join(overrides[1:])}; pattern "
-             f"{recipe.attention.pattern}) on {machine}, {total / GIB:.1f} GiB: planner's longest fit {predicted:,} tokens "
+             f"{recipe.attention.pattern}) on {machine}, {total / GIB:.1f} GiB: planner's longest fit {predicted or 0:,} tokens "
              f"(no headroom); longest measured to fit {max(fitted) if fitted else 0:,} of those tried")
     table = ["| N | predicted peak GiB | measured peak GiB | measured / predicted | s/step | fits |",
              "|---:|---:|---:|---:|---:|---|"]

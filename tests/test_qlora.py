@@ -4,6 +4,7 @@ NF4 base whose trainable tensors are fp32; the adapter reloads over the NF4 base
 it was trained to, evaluates with ``--load-in-4bit``, and merges onto the unquantised base,
 which differs from the trained model by the NF4 rounding only."""
 
+import importlib.util
 import json
 import re
 import subprocess
@@ -168,6 +169,9 @@ def test_nf4_under_zero3_is_refused_by_name_where_4bit_storage_is_not_float(monk
     from sparse_ft.modeling import quantization
 
     assert quantization.float_storage_refused() is None  # the locked versions support it
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
+    assert quantization.float_storage_refused() == "bitsandbytes is not installed (pip install bitsandbytes)"
     monkeypatch.setattr(quantization, "float_storage_refused",
                         lambda: "transformers 4.38.2 has no bnb_4bit_quant_storage (needs >= 4.39)")
     with pytest.raises(BadInput, match=r"^recipe key model.quantization='nf4' is invalid: deepspeed config zero3_bf16 is "

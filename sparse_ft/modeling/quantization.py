@@ -35,8 +35,11 @@ def float_storage_refused() -> Optional[str]:
     storage dtype (``bnb_4bit_quant_storage``), or None where they can. ZeRO-3 partitions
     parameters of one float dtype: stored as ``model.dtype``, the packed 4-bit weights are
     partitioned and gathered like any other weight, their quantisation state kept aside."""
+    import importlib.util
     import inspect
 
+    if importlib.util.find_spec("bitsandbytes") is None:
+        return "bitsandbytes is not installed (pip install bitsandbytes)"
     import bitsandbytes
     import transformers
     from transformers import BitsAndBytesConfig
