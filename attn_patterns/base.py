@@ -17,6 +17,7 @@ import torch
 from attn_patterns.checks import check_int, check_qkv
 from attn_patterns.kernels import resolve_backend
 from attn_patterns.registry import Registry
+from attn_patterns.workspace import Workspace, kernel_call, pieces
 
 Keys = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -91,6 +92,16 @@ class Pattern:
         lengths)`` on (T,H,D) tokens, where this pattern has one for q's device, dtype and
         backend (``causal`` on flash-attn's varlen kernel); None: each sequence runs alone."""
         return None
+
+    def workspace(self, n: int, heads: int, *, kv_heads: int, head_dim: int, dtype_bytes: int,
+                  kernel: str = "fused") -> Workspace:
+        """What one call over ``n`` tokens holds beyond q, k, v and its output, by named term,
+        for the memory planner (:mod:`attn_patterns.workspace`). This default bounds any pattern
+        of fused calls over at most ``n`` rows per head: pieces merged into one output, the
+        largest as wide as dense attention. A pattern whose calls are narrower, or that is one
+        call, overrides it: a new pattern is planned as this bound until it says otherwise."""
+        call = kernel_call(n, n, heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes, kernel=kernel)
+        return pieces([call], rows=n, heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes)
 
     # --- derived from the rule ------------------------------------------------------------
     def check_heads(self, num_heads: int) -> None:
@@ -195,6 +206,10 @@ class Pattern:
             from attn_patterns.flex import flex_forward
 
             return flex_forward(self, q, k, v)
+        if chosen == "triton":
+            from attn_patterns.triton_attention import triton_forward
+
+            return triton_forward(self, q, k, v)
         groups = num_heads // k.shape[1]
         if groups > 1 and not self.native_gqa:
             k = k.repeat_interleave(groups, dim=1)

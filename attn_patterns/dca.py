@@ -31,6 +31,8 @@ chunk the kernels see at most s queries, and the inter-chunk piece (all keys of 
 before the previous one, all seen from c - 1) is one call of a fused kernel that streams
 its keys; memory is O(N·s). Decoding with a KV cache needs no state: cached keys sit at
 their true positions and are re-rotated like any other.
+On CUDA (``backend="triton"``, the automatic choice there) a prefill runs instead in one pass
+of the block-sparse kernel, with no loop over chunks and no merges: :mod:`attn_patterns.dca_triton`.
 """
 
 from __future__ import annotations
@@ -171,13 +173,27 @@ def dca_attention(
     * inter-chunk: the query rotated once to c - 1, keys rotated to ``j mod s``.
 
     Non-causal pieces need no mask, the causal one is square: no masked work in prefill.
-    ``pieces`` drops pieces for the paper's ablation (see ``PIECES``)."""
+    ``pieces`` drops pieces for the paper's ablation (see ``PIECES``).
+
+    ``backend="triton"`` (automatic on CUDA where Triton runs) computes a prefill (Nq = Nk)
+    in one pass of the block-sparse kernel instead, no loop and no merges
+    (:mod:`attn_patterns.dca_triton`); decoding, and chunks of a length no kernel tile
+    divides (not a multiple of 16), take the loop above with the automatic backend."""
     s, w, c = chunk_size, local_window, pretraining_length
     nq, nk = q.shape[2], k.shape[2]
     start = nk - nq
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    backend = lse_backend(backend, q, k, v, owner="dca")
     step = chunk_length(s, w, variant)  # the length keys repeat their positions with
+    backend = lse_backend(backend, q, k, v, owner="dca", block_sparse=True)
+    if backend == "triton":
+        from attn_patterns import dca_triton
+
+        if nq == nk and dca_triton.takes(step, own_chunk=pieces == "intra"):
+            intra, succ, inter = query_positions(torch.arange(nk, device=q.device), chunk_size=s, local_window=w,
+                                                 pretraining_length=c, variant=variant, pieces=pieces)
+            targets = {"intra": (), "intra+inter": (intra, inter)}.get(pieces, (intra, succ, inter))
+            return dca_triton.dca_prefill(q, k, v, step=step, scale=scale, inv_freq=inv_freq, targets=targets)
+        backend = lse_backend(None, q, k, v, owner="dca")
     paper = variant == "paper"
     near = min(step, w if paper else w + 1)  # rows whose successive distance is true
     inter_at = c - 1 if paper else min(2 * step - 1, s)

@@ -1,25 +1,24 @@
-"""The one primitive every sparse pattern reduces to: attention inside blocks.
+"""The dense kernels sparse attention runs on: the one call every pattern's pieces make, and
+attention with its log-sum-exp for the algorithms (DCA, LongHeads) that merge pieces.
 
-Queries come in ``C`` blocks of ``Lq`` rows, keys in ``C`` matching blocks of ``Lk`` rows, and
-query row ``u`` of a block sees key row ``t`` of the same block when ``t <= u + offset`` (or
-every row when ``offset`` is None). Chunked, shifted, rolled and dilated heads are all this
-after slicing, so each backend implements it once.
-
-Blocks are folded into SDPA's batch dimension as ``(B*C, H, L, D)``: SDPA keeps its fast
-kernels on 4-D input (5-D input falls back to the math kernel, which materialises scores),
-heads stay in dim 1 so grouped-query K/V need no copies, and for the ``(B, N, H, D)`` layout
-transformers hands over the fold is a view.
+A pattern's fast path (:mod:`attn_patterns.strided`) is a list of 4-D attention calls on views
+of q, k and v, each square-causal or over every key: the two forms every fused kernel runs
+without an explicit mask. No call takes a mask, because given one SDPA leaves its fastest
+kernels (and on CUDA needs K/V repeated per query head). :func:`attend` makes one such call
+on SDPA or flash-attn, grouped K/V native wherever the kernel is fast with them.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-BACKENDS = ("sdpa", "flash", "flex")
+BACKENDS = ("sdpa", "flash", "flex", "triton")
 _TORCH = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
 _SDPA_GQA = _TORCH >= (2, 5)
 
@@ -32,10 +31,36 @@ def flash_available() -> bool:
     return torch.cuda.is_available()
 
 
+def triton_interpreted() -> bool:
+    """Whether Triton's interpreter is on (``TRITON_INTERPRET``, read as Triton reads it): it
+    runs the block-sparse kernel on CPU tensors, which is how tests check it without a GPU."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes", "y")
+
+
+def triton_unsupported(device: str, dtype: torch.dtype, head_dim: Optional[int] = None) -> Optional[str]:
+    """Why ``backend='triton'`` cannot run on such tensors, None if it can: CUDA tensors in fp16,
+    bf16 or fp32, or CPU tensors under Triton's interpreter in fp16 or fp32 (its bf16 ``tl.dot``
+    is wrong); head dims up to 256. A pure function of the call, so recipes check it early."""
+    if importlib.util.find_spec("triton") is None:
+        return "the triton package is not installed (pip install 'sparse-ft[dev]' or triton)"
+    if device == "cuda":
+        allowed = (torch.float16, torch.bfloat16, torch.float32)
+    elif device == "cpu" and triton_interpreted():
+        allowed = (torch.float16, torch.float32)
+    else:
+        return f"it needs CUDA tensors (or CPU tensors with TRITON_INTERPRET=1, for tests), got device={device}"
+    if dtype not in allowed:
+        names = ", ".join(str(d).replace("torch.", "") for d in allowed)
+        return f"on {device} it takes {names}, got dtype={str(dtype).replace('torch.', '')}"
+    if head_dim is not None and not 1 <= head_dim <= 256:
+        return f"it takes head dims 1..256, got {head_dim}"
+    return None
+
+
 def resolve_backend(backend: Optional[str], q: torch.Tensor) -> str:
     """``None`` means ``sdpa``: it runs everywhere, has a backward everywhere and picks its own
     kernel (flash on A100/H100, memory-efficient on V100, the fused CPU kernel on CPU).
-    ``flash`` and ``flex`` only when asked for, and only where they can run."""
+    ``flash``, ``flex`` and ``triton`` only when asked for, and only where they can run."""
     if backend is None:
         return "sdpa"
     if backend not in BACKENDS:
@@ -48,79 +73,55 @@ def resolve_backend(backend: Optional[str], q: torch.Tensor) -> str:
             )
         if q.dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"backend='flash' needs fp16 or bf16 tensors, got dtype={q.dtype}; use backend='sdpa'")
+    if backend == "triton":
+        why = triton_unsupported(q.device.type, q.dtype, q.shape[-1])
+        if why is not None:
+            raise ValueError(f"backend='triton' cannot run here: {why}; use backend='sdpa'")
     return backend
 
 
-def _block_mask(lq: int, lk: int, offset: int, device: torch.device) -> torch.Tensor:
-    u = torch.arange(lq, device=device)[:, None]
-    t = torch.arange(lk, device=device)[None, :]
-    return t <= u + offset
-
-
-def _gqa_native(q: torch.Tensor, kv_heads: int, masked: bool) -> bool:
+def _gqa_native(q: torch.Tensor, kv_heads: int) -> bool:
     """Whether SDPA takes fewer K/V heads at full speed. On CUDA only its flash kernel does
-    (half precision, no explicit mask; others fall back to the math kernel). On CPU the fused
-    kernel does, but its backward then seems to share work only across batch × KV heads:
-    measured on torch 2.13 with 2 threads and one KV head, it took 3-10× the CPU time of
-    repeated K/V (with 1 thread it was slightly faster). So only with a unit per thread."""
+    (half precision; others fall back to the math kernel). On CPU the fused kernel does, but
+    its backward shares work only across batch × KV heads: measured on torch 2.13 with 2
+    threads, one KV head took 3-10× the CPU time of repeated K/V, and 3 units 1.2× the wall
+    time (one thread idles for a third of it). So natively where those units fill the threads
+    as evenly as batch × query heads would."""
     if not _SDPA_GQA:
         return False
     if not q.is_cuda:
-        return q.shape[0] * kv_heads >= torch.get_num_threads()
+        threads = torch.get_num_threads()
+        even = lambda units: units / (threads * -(-units // threads))  # noqa: E731  busy share of the threads
+        return even(q.shape[0] * kv_heads) >= even(q.shape[0] * q.shape[1])
     d = q.shape[-1]
-    return not masked and q.dtype in (torch.float16, torch.bfloat16) and d % 8 == 0 and d <= 256
+    # under autocast q arrives in fp32 (RoPE over fp32 masters) and SDPA casts it to the
+    # autocast dtype: that dtype is the one the kernel sees (found on an H200, where reading
+    # q.dtype repeated K/V per query head in every recipe step: 12 KiB per token at 8B)
+    dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else q.dtype
+    return dtype in (torch.float16, torch.bfloat16) and d % 8 == 0 and d <= 256
 
 
-def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Optional[torch.Tensor], causal: bool) -> torch.Tensor:
-    """4-D SDPA, scale 1/sqrt(D), k/v with ``H // groups`` heads."""
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool) -> torch.Tensor:
+    """4-D SDPA without a mask, scale 1/sqrt(D), k/v with ``H // groups`` heads."""
     groups = q.shape[1] // k.shape[1]
-    gqa = groups > 1 and _gqa_native(q, k.shape[1], mask is not None)
+    gqa = groups > 1 and _gqa_native(q, k.shape[1])
     if groups > 1 and not gqa:  # only this call's K/V, and only where the kernel needs it
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     extra = {"enable_gqa": True} if gqa else {}
     scale = 1.0 / math.sqrt(q.shape[-1])
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, **extra)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, **extra)
 
 
-def block_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    offset: Optional[int],
-    backend: str = "sdpa",
-) -> torch.Tensor:
-    """q ``(B, H, C, Lq, D)``, k/v ``(B, Hkv, C, Lk, D)`` with ``H % Hkv == 0`` ->
-    ``(B, H, C, Lq, D)``.
-
-    Every query row must see at least one key (callers guarantee it, so no row is NaN);
-    padded rows are the caller's to discard."""
-    b, h, c, lq, d = q.shape
-    lk = k.shape[3]
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, backend: str) -> torch.Tensor:
+    """q ``(X, H, L, D)``, k/v ``(X, Hkv, L', D)`` with ``H % Hkv == 0`` -> ``(X, H, L, D)``,
+    scale 1/sqrt(D): over every key, or square causal (``L == L'``: row u sees key rows
+    t <= u). Any strides with a unit last one: views of q/k/v go in as they are."""
     if backend == "flash":
-        return _flash_blocks(q, k, v, offset)
-    fold = lambda x: x.transpose(1, 2).reshape(b * c, x.shape[1], x.shape[3], d)  # noqa: E731
-    if offset is None:
-        out = sdpa(fold(q), fold(k), fold(v), mask=None, causal=False)
-    elif offset == 0 and lq == lk:
-        out = sdpa(fold(q), fold(k), fold(v), mask=None, causal=True)
-    else:
-        out = sdpa(fold(q), fold(k), fold(v), mask=_block_mask(lq, lk, offset, q.device), causal=False)
-    return out.view(b, c, h, lq, d).transpose(1, 2)
+        from flash_attn import flash_attn_func
 
-
-def _flash_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: Optional[int]) -> torch.Tensor:
-    """flash-attn's dense kernel on ``(B*C, L, H, D)``; it takes fewer K/V heads natively."""
-    from flash_attn import flash_attn_func
-
-    b, h, c, lq, d = q.shape
-    lk = k.shape[3]
-    # flash-attn's window is aligned bottom-right: row u sees keys up to u + (Lk - Lq) + right.
-    # Solve for our ``t <= u + offset``; -1 means no limit.
-    to_flash = lambda x: x.permute(0, 2, 3, 1, 4).reshape(b * c, x.shape[3], x.shape[1], d)  # noqa: E731
-    right = -1 if offset is None else offset + lq - lk
-    out = flash_attn_func(to_flash(q), to_flash(k), to_flash(v), causal=False, window_size=(-1, right))
-    return out.view(b, c, lq, h, d).permute(0, 3, 1, 2, 4)
+        t = lambda x: x.transpose(1, 2)  # noqa: E731  flash-attn's (X, L, H, D); it takes fewer K/V heads
+        return t(flash_attn_func(t(q), t(k), t(v), causal=causal))
+    return sdpa(q, k, v, causal=causal)
 
 
 def causal_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, lengths: list[int]) -> torch.Tensor:
@@ -134,20 +135,6 @@ def causal_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, lengths:
     return flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=True, softmax_scale=q.shape[-1] ** -0.5)
 
 
-def chunk(x: torch.Tensor, size: int) -> torch.Tensor:
-    """``(B, H, N, D)`` -> ``(B, H, ceil(N/size), size, D)``, zero-padding the tail (padded
-    keys sit after every real query, so causality already hides them)."""
-    n = x.shape[2]
-    pad = -n % size
-    if pad:
-        x = F.pad(x, (0, 0, 0, pad))
-    return x.unflatten(2, (-1, size))
-
-
-def unchunk(x: torch.Tensor, n: int) -> torch.Tensor:
-    return x.flatten(2, 3)[:, :, :n]
-
-
 # --- attention with its log-sum-exp, and the exact merge of such pieces ----------------------
 # Methods that give one query several sets of keys at different positions (DCA's three pieces,
 # LongHeads' re-positioned chunks) compute each set's attention apart and merge them exactly:
@@ -155,23 +142,32 @@ def unchunk(x: torch.Tensor, n: int) -> torch.Tensor:
 
 # "sdpa": torch's fused flash op (its CPU kernel on CPU, FlashAttention-2 on sm80+ GPUs);
 # "efficient": torch's memory-efficient op (CUDA, V100 and fp32 too); "flash": the flash-attn
-# package; "flex": FlexAttention; "math": the matmul reference every other one is tested on.
-LSE_BACKENDS = ("sdpa", "efficient", "flash", "flex", "math")
+# package; "flex": FlexAttention; "math": the matmul reference every other one is tested on;
+# "triton": no pieces at all, the whole call in one pass of the block-sparse kernel, where the
+# caller has such a path for it (``block_sparse``: DCA's prefill, attn_patterns.dca_triton).
+LSE_BACKENDS = ("sdpa", "efficient", "flash", "flex", "math", "triton")
 # Automatic order, fastest first. flex only when named: compiled per piece shape on CUDA and
-# unfused (scores materialised) on CPU, it is the cross-check, not the fast path.
+# unfused (scores materialised) on CPU, it is the cross-check, not the fast path. triton first
+# on CUDA where the call has a one-pass path (the pieces' loop and merges are its overhead).
 _AUTO_LSE = ("flash", "sdpa", "efficient", "math")
 _HALF = (torch.float16, torch.bfloat16)
 
 
 def lse_unsupported(
     backend: str, *, device: str, dtype: torch.dtype, needs_grad: bool,
-    capability: Optional[tuple[int, int]], flash_attn: bool, head_dim: int,
+    capability: Optional[tuple[int, int]], flash_attn: bool, head_dim: int, block_sparse: bool = False,
 ) -> Optional[str]:
     """Why ``backend`` cannot return attention with its LSE for such a call, None if it can.
-    A pure function of the machine and the call, so the whole table is tested without CUDA."""
+    A pure function of the machine and the call, so the whole table is tested without CUDA.
+    ``block_sparse``: the caller runs the call in one pass of the block-sparse kernel, where
+    ``triton`` runs (:func:`triton_unsupported`); it differentiates, having no LSE to merge."""
     sm = capability or (0, 0)
     if backend == "math":
         return None
+    if backend == "triton":
+        if not block_sparse:
+            return "the block-sparse kernel runs no such call (it runs DCA's prefill)"
+        return triton_unsupported(device, dtype, head_dim)
     if backend == "flex":
         return "FlexAttention has no backward on CPU" if needs_grad and device != "cuda" else None
     if needs_grad:  # torch's derivatives.yaml and flash-attn's autograd both drop the LSE's gradient
@@ -198,23 +194,27 @@ def lse_unsupported(
 
 def choose_lse_backend(
     *, device: str, dtype: torch.dtype, needs_grad: bool,
-    capability: Optional[tuple[int, int]], flash_attn: bool, head_dim: int,
+    capability: Optional[tuple[int, int]], flash_attn: bool, head_dim: int, block_sparse: bool = False,
 ) -> str:
-    """The automatic choice: flash-attn, else torch's flash op, else its memory-efficient op,
-    whichever runs first; math when none does (gradients, other devices)."""
+    """The automatic choice: on CUDA the block-sparse kernel where the call has a one-pass
+    path (``block_sparse``) and Triton runs; else flash-attn, else torch's flash op, else its
+    memory-efficient op, whichever runs first; math when none does (gradients, other devices)."""
     case = dict(device=device, dtype=dtype, needs_grad=needs_grad, capability=capability, flash_attn=flash_attn,
-                head_dim=head_dim)
-    return next(b for b in _AUTO_LSE if lse_unsupported(b, **case) is None)
+                head_dim=head_dim, block_sparse=block_sparse)
+    order = ("triton", *_AUTO_LSE) if device == "cuda" else _AUTO_LSE
+    return next(b for b in order if lse_unsupported(b, **case) is None)
 
 
-def lse_backend(backend: Optional[str], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, owner: str) -> str:
+def lse_backend(backend: Optional[str], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, owner: str,
+                block_sparse: bool = False) -> str:
     """``None``: :func:`choose_lse_backend` for this call. A named backend is checked against
-    the same table and refused with the reason and what does run here; errors name ``owner``."""
+    the same table and refused with the reason and what does run here; errors name ``owner``.
+    ``block_sparse``: the caller has a one-pass path for the call (see :func:`lse_unsupported`)."""
     if backend is not None and backend not in LSE_BACKENDS:
         raise ValueError(f"{owner}: backend={backend!r} is unknown; allowed: {', '.join(LSE_BACKENDS)} or None (automatic)")
     case = dict(device=q.device.type, dtype=q.dtype, needs_grad=torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)),
                 capability=torch.cuda.get_device_capability(q.device) if q.is_cuda else None,
-                flash_attn=q.is_cuda and flash_available(), head_dim=q.shape[-1])
+                flash_attn=q.is_cuda and flash_available(), head_dim=q.shape[-1], block_sparse=block_sparse)
     if backend is None:
         return choose_lse_backend(**case)
     why = lse_unsupported(backend, **case)

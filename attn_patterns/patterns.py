@@ -1,5 +1,7 @@
-"""The patterns. Each leaf says which keys a query sees (``keys``) and how to compute it with
-:func:`block_attention` (``forward``); the published patterns are head mixes of leaves.
+"""The patterns. Each leaf says which keys a query sees (``keys``) and how to compute it: as
+maskless attention calls on strided views of q/k/v (``pieces``, run by
+:func:`attn_patterns.strided.run`). The published patterns are head mixes of leaves, whose
+pieces all go into one run.
 
 Notation: w = ceil(N / chunks) chunk size, g = w // 2 shift, c = i // w query chunk; floor
 division throughout; causality (j <= i) is always added by the base class and kernels.
@@ -7,41 +9,54 @@ division throughout; causality (j <= i) is always added by the base class and ke
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from typing import Any, Optional, Sequence, Union
 
 import torch
-import torch.nn.functional as F
 
 from attn_patterns.base import PATTERNS, Keys, Pattern, chunk_size, register
 from attn_patterns.checks import check_int
-from attn_patterns.kernels import BACKENDS, block_attention, causal_varlen, chunk, resolve_backend, unchunk
+from attn_patterns.kernels import BACKENDS, causal_varlen, resolve_backend
+from attn_patterns.strided import Piece, Rows, run
+from attn_patterns.workspace import Workspace, kernel_call, pieces
 
 
-def _one_block(x: torch.Tensor) -> torch.Tensor:
-    return x.unsqueeze(2)
+_MAX_LAYOUTS = 16  # per pattern: (N, H, head offset, total heads) combinations kept
 
 
-def causal_attention(q, k, v, backend: str) -> torch.Tensor:
-    return block_attention(_one_block(q), _one_block(k), _one_block(v), offset=0, backend=backend).squeeze(2)
+def causal_blocks(heads: range, start: int, end: int, size: int, *, skip: int = 0) -> list[Piece]:
+    """Square-causal attention inside consecutive blocks of ``size`` rows from ``start`` to
+    ``end``: the whole blocks as one piece, a partial last block as another (views, no
+    padding); ``skip`` as in :class:`~attn_patterns.strided.Piece`."""
+    whole = (end - start) // size
+    tail = start + whole * size
+    spans = [Rows(start, size, whole, size)] if whole else []
+    spans += [Rows(tail, end - tail)] if end - tail > skip else []
+    return [Piece(heads, span, span, causal=True, skip=skip) for span in spans]
 
 
-def local_attention(q, k, v, *, chunk_len: int, backend: str) -> torch.Tensor:
-    """Causal inside consecutive chunks of ``chunk_len`` (w); a partial last chunk runs on its
-    own rather than padded, so whole chunks stay zero-copy views."""
-    n, w = q.shape[2], chunk_len
-    whole = n // w * w
-    if whole == n:
-        return unchunk(block_attention(chunk(q, w), chunk(k, w), chunk(v, w), offset=0, backend=backend), n)
-    sizes = [whole, n - whole] if whole else [n]
-    parts = [x.split(sizes, dim=2) for x in (q, k, v)]
-    outs = [local_attention(*(p[0] for p in parts), chunk_len=w, backend=backend)] if whole else []
-    outs.append(causal_attention(*(p[-1] for p in parts), backend))
-    return torch.cat(outs, dim=2)
+@dataclass(frozen=True)
+class Delegated:
+    """Heads ``[start, end)`` of a mix computed by a part that states no pieces (a pattern
+    registered from outside), as heads ``[offset, offset + end - start)`` of its ``total``."""
+
+    pattern: Pattern
+    start: int
+    end: int
+    offset: int
+    total: int
+
+    def moved(self, heads: int) -> "Delegated":
+        return replace(self, start=self.start + heads, end=self.end + heads)
+
+
+Layout = tuple[tuple[Piece, ...], tuple[Delegated, ...]]
 
 
 class _Builtin(Pattern):
-    """The patterns of this module: kernels that take grouped K/V as they are, on the
-    backends of :mod:`attn_patterns.kernels` (checked here, so a recipe typo fails at ``get``)."""
+    """The patterns of this module: ``pieces``, maskless calls on views that take grouped K/V
+    as they are, on the backends of :mod:`attn_patterns.kernels` (checked here, so a recipe
+    typo fails at ``get``)."""
 
     native_gqa = True
 
@@ -49,6 +64,38 @@ class _Builtin(Pattern):
         if backend is not None and backend not in BACKENDS:
             raise ValueError(f"{self.name}: backend={backend!r} is unknown; allowed: {', '.join(BACKENDS)} or None (= sdpa)")
         super().__init__(backend, **params)
+
+    def pieces(self, n: int, heads: int, *, offset: int, total: int) -> list[Piece]:
+        """The calls that compute ``heads`` heads, heads ``[offset, offset + heads)`` of
+        ``total``, at length ``n``; heads numbered from 0, rows written at most once. (A mix
+        states its :meth:`layout` instead: parts registered from outside have no pieces.)"""
+        raise NotImplementedError
+
+    def layout(self, n: int, heads: int, *, offset: int, total: int) -> Layout:
+        """:meth:`pieces` and the heads delegated to parts that state none, kept on the pattern
+        (every layer of a model asks for the same)."""
+        kept = self.__dict__.setdefault("_layouts", {})
+        key = (n, heads, offset, total)
+        if key not in kept:
+            if len(kept) >= _MAX_LAYOUTS:
+                kept.pop(next(iter(kept)))
+            kept[key] = self._layout(n, heads, offset=offset, total=total)
+        return kept[key]
+
+    def _layout(self, n: int, heads: int, *, offset: int, total: int) -> Layout:
+        return tuple(self.pieces(n, heads, offset=offset, total=total)), ()
+
+    def forward(self, q, k, v, backend):
+        return self.forward_heads(q, k, v, backend, offset=0, total=q.shape[1])
+
+    def forward_heads(self, q, k, v, backend, *, offset, total):
+        found, delegated = self.layout(q.shape[2], q.shape[1], offset=offset, total=total)
+        groups, extras = q.shape[1] // k.shape[1], []
+        for d in delegated:
+            kv = _kv_heads(k, v, start=d.start, end=d.end, groups=groups, native=d.pattern.native_gqa)
+            out = d.pattern.forward_heads(q[:, d.start : d.end], *kv, backend, offset=d.offset, total=d.total)
+            extras.append((range(d.start, d.end), out))
+        return run(q, k, v, found, backend=backend, extras=extras)
 
 
 @register
@@ -65,11 +112,15 @@ class Causal(_Builtin):
     def keys(self, h, i, n, num_heads) -> Keys:
         return torch.zeros_like(i), i, torch.ones_like(i)
 
-    def forward(self, q, k, v, backend):
-        return causal_attention(q, k, v, backend)
+    def pieces(self, n, heads, *, offset, total):
+        return [Piece(range(heads), Rows(0, n), Rows(0, n), causal=True)]
 
     def packed_kernel(self, q):
         return causal_varlen if resolve_backend(self.backend, q) == "flash" else None
+
+    def workspace(self, n, heads, *, kv_heads, head_dim, dtype_bytes, kernel="fused") -> Workspace:
+        """One dense call, whose output is the model's layout already: no merge."""
+        return kernel_call(n, n, heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes, kernel=kernel)
 
 
 class _Chunked(_Builtin):
@@ -83,6 +134,12 @@ class _Chunked(_Builtin):
         w = chunk_size(n, self.chunks)
         return w, w // 2
 
+    def workspace(self, n, heads, *, kv_heads, head_dim, dtype_bytes, kernel="fused") -> Workspace:
+        """Chunks folded into the calls' batch: n rows, each scored against one chunk of w keys."""
+        call = kernel_call(n, n, heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes, kernel=kernel,
+                           width=self.sizes(n)[0])
+        return pieces([call], rows=n, heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes)
+
 
 class Local(_Chunked):
     """Same chunk: ``i // w == j // w`` (LongLoRA S² unshifted heads, SCCA's plain heads)."""
@@ -94,8 +151,8 @@ class Local(_Chunked):
         lo = i // w * w
         return lo, lo + w - 1, torch.ones_like(i)
 
-    def forward(self, q, k, v, backend):
-        return local_attention(q, k, v, chunk_len=self.sizes(q.shape[2])[0], backend=backend)
+    def pieces(self, n, heads, *, offset, total):
+        return causal_blocks(range(heads), 0, n, self.sizes(n)[0])
 
 
 class ShiftedChunks(_Chunked):
@@ -109,15 +166,12 @@ class ShiftedChunks(_Chunked):
         start = torch.div(i - g, w, rounding_mode="floor") * w + g
         return start.clamp(min=0), start + w - 1, torch.ones_like(i)
 
-    def forward(self, q, k, v, backend):
-        n = q.shape[2]
+    def pieces(self, n, heads, *, offset, total):
         w, g = self.sizes(n)
-        if g == 0 or n <= g:
-            return local_attention(q, k, v, chunk_len=w, backend=backend)
-        # the partial first chunk [0, g), then ordinary chunks from g on (split: no copies)
-        (q0, q1), (k0, k1), (v0, v1) = (x.split([g, n - g], dim=2) for x in (q, k, v))
-        first = causal_attention(q0, k0, v0, backend)
-        return torch.cat([first, local_attention(q1, k1, v1, chunk_len=w, backend=backend)], dim=2)
+        if g == 0:
+            return causal_blocks(range(heads), 0, n, w)
+        first = min(g, n)  # the partial first chunk [0, g), then ordinary chunks from g on
+        return causal_blocks(range(heads), 0, first, first) + causal_blocks(range(heads), first, n, w)
 
 
 class RolledKeys(_Chunked):
@@ -132,21 +186,26 @@ class RolledKeys(_Chunked):
         start = i // w * w - g
         return start.clamp(min=0), start + w - 1, torch.ones_like(i)
 
-    def forward(self, q, k, v, backend):
-        n = q.shape[2]
+    def pieces(self, n, heads, *, offset, total):
+        """Row u of chunk c sees the g keys before the chunk and its own chunk's keys up to u
+        while u < s = w - g, its whole window from u = s on. So the rows u < s are causal
+        attention inside the windows [c*w - g, c*w - g + w): square calls over the sequence
+        cut at s, s + w, s + 2w, ..., whose first g rows (chunk c - 1's last, computed for
+        the square) are not written; the rows u >= s attend their window whole. Chunk 0's
+        window is [0, s): the same with a key block of s rows."""
         w, g = self.sizes(n)
+        hs = range(heads)
         if g == 0:
-            return local_attention(q, k, v, chunk_len=w, backend=backend)
-        qc = chunk(q, w)
-        blocks = qc.shape[2]
-        (k0, k1), (v0, v1) = (x.split([w - g, n - w + g], dim=2) for x in (k, v))
-        q0, q1 = qc.split([1, blocks - 1], dim=2)
-        first = block_attention(q0, _one_block(k0), _one_block(v0), offset=0, backend=backend)
-        if blocks == 1:
-            return unchunk(first, n)
-        kc, vc = (chunk(x, w)[:, :, : blocks - 1] for x in (k1, v1))
-        rest = block_attention(q1, kc, vc, offset=g, backend=backend)
-        return unchunk(torch.cat([first, rest], dim=2), n)
+            return causal_blocks(hs, 0, n, w)
+        s, whole, last = w - g, n // w - 1, n // w
+        found = causal_blocks(hs, 0, min(s, n), s) + causal_blocks(hs, s, n, w, skip=g)
+        if n > s:
+            found.append(Piece(hs, Rows(s, min(w, n) - s), Rows(0, s), causal=False))
+        if whole > 0:
+            found.append(Piece(hs, Rows(w + s, g, whole, w), Rows(s, w, whole, w), causal=False))
+        if last >= 1 and n > last * w + s:
+            found.append(Piece(hs, Rows(last * w + s, n - last * w - s), Rows(last * w - g, w), causal=False))
+        return found
 
 
 class LaggedChunk(_Chunked):
@@ -168,19 +227,18 @@ class LaggedChunk(_Chunked):
         src = torch.where(c >= self.lag, c - self.lag, c)
         return src * w, src * w + w - 1, torch.ones_like(i)
 
-    def forward(self, q, k, v, backend):
-        n = q.shape[2]
+    def pieces(self, n, heads, *, offset, total):
         w, _ = self.sizes(n)
-        qc, kc, vc = (chunk(x, w) for x in (q, k, v))
-        blocks = qc.shape[2]
-        own = min(self.lag, blocks) if self.lag else blocks
-        if own == blocks:
-            return unchunk(block_attention(qc, kc, vc, offset=0, backend=backend), n)
-        q0, q1 = qc.split([own, blocks - own], dim=2)
-        first = block_attention(q0, kc[:, :, :own], vc[:, :, :own], offset=0, backend=backend)
-        src = slice(0, blocks - self.lag)
-        rest = block_attention(q1, kc[:, :, src], vc[:, :, src], offset=None, backend=backend)
-        return unchunk(torch.cat([first, rest], dim=2), n)
+        hs, lag = range(heads), self.lag
+        if lag == 0:
+            return causal_blocks(hs, 0, n, w)
+        found = causal_blocks(hs, 0, min(lag * w, n), w)  # the chunks before ``lag``: their own
+        whole, last = n // w - lag, n // w
+        if whole > 0:
+            found.append(Piece(hs, Rows(lag * w, w, whole, w), Rows(0, w, whole, w), causal=False))
+        if last >= lag and n > last * w:  # a partial last chunk sees a whole one
+            found.append(Piece(hs, Rows(last * w, n - last * w), Rows((last - lag) * w, w), causal=False))
+        return found
 
 
 @register
@@ -195,6 +253,12 @@ class Dilated(_Builtin):
         super().__init__(backend, dilation=check_int("dilation", dilation, self.name))
         self.dilation = dilation
 
+    def workspace(self, n, heads, *, kv_heads, head_dim, dtype_bytes, kernel="fused") -> Workspace:
+        """One causal call over each head's n / dilation rows, merged into the n-row output."""
+        m = -(-n // self.dilation)
+        call = kernel_call(m, m, heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes, kernel=kernel)
+        return pieces([call], rows=n, heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes)
+
     def keys(self, h, i, n, num_heads) -> Keys:
         r = h % self.dilation
         on = (i % self.dilation) == r
@@ -202,31 +266,17 @@ class Dilated(_Builtin):
         hi = torch.where(on, i, 0)  # hi < lo: nothing visible
         return lo, hi, torch.full_like(i, self.dilation)
 
-    def forward(self, q, k, v, backend):
-        return self.forward_heads(q, k, v, backend, offset=0, total=q.shape[1])
-
-    def forward_heads(self, q, k, v, backend, *, offset, total):
-        # View the sequence as (M, dilation) and let head h take column (offset + h) % dilation
-        # of its own q and of its K/V head h // groups: one causal call for all heads, K/V
-        # never repeated. Tail padding sits after every real token, so it is invisible to real
-        # queries; the rows it adds are dropped.
-        b, h, n, d = q.shape
-        step = self.dilation
-        m = -(-n // step)
-        heads = torch.arange(h, device=q.device)
-        column = (heads + offset) % step
-
-        def pick(x: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
-            grid = F.pad(x, (0, 0, 0, m * step - n)).view(b, x.shape[1], m, step, d)
-            return grid[:, source, :, column].transpose(0, 1)  # (B, H, M, D)
-
-        groups = h // k.shape[1]
-        out = causal_attention(pick(q, heads), pick(k, heads // groups), pick(v, heads // groups), backend)
-        index = column.view(1, h, 1, 1, 1).expand(b, h, m, 1, d)
-        # in the kernel's dtype, not q's: under autocast the model hands q (and k) in fp32 (RoPE
-        # over fp32 masters) and v in half precision, and the kernel answers in half precision
-        spread = out.new_zeros(b, h, m, step, d).scatter(3, index, out.unsqueeze(3))
-        return spread.view(b, h, m * step, d)[:, :, :n]
+    def pieces(self, n, heads, *, offset, total):
+        """Per residue r, the heads h with (offset + h) % dilation == r (every dilation-th head)
+        in one causal call on rows r, r + dilation, ... of q/k/v: strided views, so no gather
+        and no copy; the other rows of those heads stay 0."""
+        step, found = self.dilation, []
+        for r in range(step):
+            first, rows = (r - offset) % step, len(range(r, n, step))
+            if first < heads and rows:
+                span = Rows(r, rows, step=step)
+                found.append(Piece(range(first, heads, step), span, span, causal=True))
+        return found
 
 
 PatternSpec = Union[str, Pattern, dict]
@@ -289,6 +339,14 @@ class Mixed(_Builtin):
         super().check_heads(num_heads)
         self.split(num_heads)
 
+    def workspace(self, n, heads, *, kv_heads, head_dim, dtype_bytes, kernel="fused") -> Workspace:
+        """Each part on its own heads (and their share of K/V heads), merged once."""
+        groups = heads // kv_heads
+        parts = [p.workspace(n, e - s, kv_heads=max(1, (e - s) // groups), head_dim=head_dim, dtype_bytes=dtype_bytes,
+                             kernel=kernel)
+                 for p, s, e in self.split(heads)]
+        return pieces(parts, rows=n, heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes)
+
     def keys(self, h, i, n, num_heads) -> Keys:
         lo = hi = step = None
         for pattern, start, end in self.split(num_heads):
@@ -308,25 +366,23 @@ class Mixed(_Builtin):
             out = own if out is None else out | own
         return out
 
-    def forward(self, q, k, v, backend):
-        return self.forward_heads(q, k, v, backend, offset=0, total=q.shape[1])
-
-    def forward_heads(self, q, k, v, backend, *, offset, total):
+    def _layout(self, n, heads, *, offset, total):
         # each part's share of heads [offset, last), as local heads [s, e) and the part's own
-        # heads [s + offset - start, ...) of its end - start
-        last = offset + q.shape[1]
-        spans = [(p, max(start, offset) - offset, min(end, last) - offset, start, end)
-                 for p, start, end in self.split(total) if start < last and end > offset]
-        groups = q.shape[1] // k.shape[1]
-        sizes = [e - s for _, s, e, _, _ in spans]
-        # split (not slicing): its backward is one cat instead of a zero-filled copy per part
-        qs = q.split(sizes, dim=1)
-        if all(p.native_gqa and s % groups == 0 and e % groups == 0 for p, s, e, _, _ in spans):
-            kvs = zip(*(x.split([n // groups for n in sizes], dim=1) for x in (k, v)))
-        else:
-            kvs = (_kv_heads(k, v, start=s, end=e, groups=groups, native=p.native_gqa) for p, s, e, _, _ in spans)
-        return torch.cat([p.forward_heads(qh, *kv, backend, offset=s + offset - start, total=end - start)
-                          for (p, s, _, start, end), qh, kv in zip(spans, qs, kvs)], dim=1)
+        # heads [s + offset - start, ...) of its end - start; every part's pieces in one run
+        last = offset + heads
+        found, delegated = [], []
+        for p, start, end in self.split(total):
+            if start >= last or end <= offset:
+                continue
+            s, e = max(start, offset) - offset, min(end, last) - offset
+            own = dict(offset=s + offset - start, total=end - start)
+            if isinstance(p, _Builtin):
+                sub_pieces, sub_delegated = p.layout(n, e - s, **own)
+                found += [piece.moved(s) for piece in sub_pieces]
+                delegated += [d.moved(s) for d in sub_delegated]
+            else:
+                delegated.append(Delegated(p, s, e, **own))
+        return tuple(found), tuple(delegated)
 
 
 def _kv_heads(k, v, *, start: int, end: int, groups: int, native: bool):

@@ -40,7 +40,7 @@ def test_params_merge_and_a_new_pattern_starts_from_its_defaults():
         (["bogus=1"], r"unknown recipe key bogus; allowed in the recipe: model, attention, lora, data, train, validation, deepspeed"),
         (["model.dtype=fp8"], r"model.dtype='fp8' is invalid: allowed: float32, float16, bfloat16"),
         (["model.rope_method=ntk"], r"model.rope_method='ntk' is invalid: allowed: linear, dynamic, yarn"),
-        (["attention.backend=triton"], r"attention.backend='triton' is invalid: allowed: None, auto, sdpa, flash, flex"),
+        (["attention.backend=xla"], r"attention.backend='xla' is invalid: allowed: None, auto, sdpa, flash, flex, triton"),
         (["train.scheduler=step"], r"train.scheduler='step' is invalid: allowed: constant, linear, cosine"),
         (["train.weight_decay_on=norms"], r"train.weight_decay_on='norms' is invalid: allowed: all, matrices"),
         (["train.min_lr_ratio=1.5"], r"train.min_lr_ratio=1.5 is invalid: must be in \[0, 1\]"),

@@ -73,28 +73,90 @@ def test_matches_dense_reference_beyond_window(keep_previous):
 
 
 @pytest.mark.parametrize("keep_previous", [False, True])
-@pytest.mark.parametrize("l, budget, rows", [(4, None, 4), (5, 13000, 3)])
-def test_attend_call_rows_and_small_steps_match_reference(keep_previous, l, budget, rows, monkeypatch):
+@pytest.mark.parametrize("l, hkv, budget, sizes", [(4, 4, None, [21]), (5, 2, 13000, [3] * 5 + [2]), (4, 1, 1, [1] * 21)])
+def test_attend_call_rows_and_small_steps_match_reference(keep_previous, l, hkv, budget, sizes, monkeypatch):
     """The vectorised attention against the per-query reference for a call's last Nq rows
-    (chunked prefill, decoding), without GQA, in one step and in many steps whose blocks
-    split chunks into 3-row pieces (causal offsets inside the own chunk, padding rows)."""
+    (chunked prefill, decoding), with and without GQA, in one step and in steps of 3 rows and
+    of 1 row (steps that start and end inside chunks)."""
     from attn_patterns import longheads
 
     if budget:
         monkeypatch.setattr(longheads, "_BLOCK_ELEMENTS", budget)
     k_chunks, n = 4, 37
-    assert longheads._plan(start=0, nk=n, chunk_size=l, chunks=k_chunks, batch_heads=8, head_dim=16)[0] == rows
-    q_raw, k_raw, v = _qkv(n, hkv=4, seed=7)
+    steps = longheads._plan(start=0, nk=n, chunk_size=l, chunks=k_chunks, batch_heads=8, head_dim=16)
+    assert steps[0][0] == k_chunks * l and [b - a for a, b in steps] == sizes
+    assert all(a == b for (_, a), (b, _) in zip(steps, steps[1:]))
+    q_raw, k_raw, v = _qkv(n, hkv=hkv, seed=7)
     pos = torch.arange(n)
     q, k = _rot(q_raw, pos), _rot(k_raw, pos)
     whole = n // l * l
     reps = longheads.chunk_representations(q[:, :, :whole], k[:, :, :whole], v[:, :, :whole], chunk_size=l, first_chunk=0,
                                            inv_freq=INV_FREQ)
     expected = reference(q_raw, k_raw, v, l, k_chunks, keep_previous)
-    for nq in (n, 13, 1):
+    for nq in (n, 23, 13, 1):
         out = longheads.longheads_attention(q[:, :, n - nq :], k, v, reps=reps, chunk_size=l, chunks=k_chunks, inv_freq=INV_FREQ,
                                             scale=0.25, keep_previous=keep_previous)
         torch.testing.assert_close(out, expected[:, :, n - nq :], atol=2e-5, rtol=1e-4)
+
+
+def test_many_chunks_and_tiles_match_reference():
+    """Beyond the window for most rows (k·l = 12 of 150 tokens, 4 query heads on 1 KV head),
+    so pairs share chunks across heads and rows and are cut into several tiles per chunk."""
+    from attn_patterns import longheads
+
+    l, k_chunks, n = 4, 3, 150
+    q_raw, k_raw, v = _qkv(n, b=1, hkv=1, seed=11)
+    pos = torch.arange(n)
+    out = LongHeads(chunk_size=l, chunks=k_chunks).attend(_rot(q_raw, pos), _rot(k_raw, pos), v, inv_freq=INV_FREQ)
+    torch.testing.assert_close(out, reference(q_raw, k_raw, v, l, k_chunks, keep_previous=True), atol=2e-5, rtol=1e-4)
+
+
+def test_gradients_match_reference():
+    """With gradients (the math kernels, fresh tensors instead of the reused buffers) the
+    output and the gradients of q, k and v equal the per-query reference's; the selection
+    is piecewise constant, so neither passes a gradient through it."""
+    l, k_chunks, n = 4, 3, 23
+    q_raw, k_raw, v = (x.requires_grad_() for x in _qkv(n, b=1, seed=3))
+    pos = torch.arange(n)
+    out = LongHeads(chunk_size=l, chunks=k_chunks).attend(_rot(q_raw, pos), _rot(k_raw, pos), v, inv_freq=INV_FREQ)
+    expected = reference(q_raw, k_raw, v, l, k_chunks, keep_previous=True)
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(4))
+    got = torch.autograd.grad((out * weights).sum(), (q_raw, k_raw, v))
+    want = torch.autograd.grad((expected * weights).sum(), (q_raw, k_raw, v))
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+
+
+def test_steps_stay_few_and_whole_chunks_on_a_gpu_budget():
+    """32k tokens, 32 heads of 128 on the GPU budget: 14 steps of 2,048 rows (8 chunks each),
+    where the step planner that counted each block's own gather of K/V made 2,713 steps of 8
+    rows. Rows within the window are one causal call, no step; a call that starts inside a
+    chunk (chunked prefill) gets one step up to the next chunk boundary."""
+    from attn_patterns import longheads
+
+    def plan(start, nk):
+        return longheads._plan(start=start, nk=nk, chunk_size=256, chunks=16, batch_heads=32, head_dim=128,
+                               budget=longheads._CUDA_BLOCK_ELEMENTS)
+
+    steps = plan(0, 32768)
+    assert len(steps) == 14 and steps[0] == (4096, 6144) and steps[-1][1] == 32768
+    assert plan(0, 4096) == [] and plan(32767, 32768) == [(32767, 32768)]
+    assert plan(5000, 9000) == [(5000, 5120), (5120, 7168), (7168, 9000)]
+
+
+def test_tiles_bound_padding():
+    from attn_patterns.longheads import _tiles
+
+    def rows(counts):
+        size, tiles, total = _tiles(torch.tensor(counts))
+        assert tiles.tolist() == [-(-c // size) for c in counts] and total == sum(tiles.tolist())
+        return size
+
+    assert rows([4, 4, 0]) == 4  # decoding: a tile per group, no padding
+    assert rows([5, 0, 3]) == 8  # padding 8 pairs to 16 costs less than a tile more
+    assert rows([640, 512, 1024]) == 512  # 5 tiles of 512 beat 9 of 256 and 3 of 1024 (a third padding)
+    assert rows([40000, 9]) == 1024  # the cap
 
 
 def test_selection_is_per_head_and_keeps_first_and_previous():

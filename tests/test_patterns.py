@@ -253,11 +253,56 @@ def test_backend_none_is_sdpa_and_flash_explains_itself():
         flash(*qkv(8, 8, dtype=torch.float32))
 
 
+# What a fast path may not do: gather or scatter rows (sda once gathered q/k/v per head and
+# scattered into a θ-times zero tensor, with an index_put_ backward), concatenate parts
+# (every part is written into one output), or build a mask.
+GATHERS = {"index", "index_put", "index_put_", "_index_put_impl_", "index_add", "index_add_", "index_select", "gather",
+           "scatter", "scatter_", "scatter_add", "scatter_add_", "masked_fill", "masked_scatter", "where", "cat",
+           "stack"}
+
+
+@pytest.mark.parametrize("name,params", PATTERNS, ids=IDS)
+@pytest.mark.parametrize("kv_heads", [8, 2])
+def test_fast_path_is_maskless_calls_on_views(name, params, kv_heads, monkeypatch):
+    """Every SDPA call of every pattern, forward and backward, takes no mask and is causal
+    only when square (the two forms fused kernels run at full speed); no op builds a boolean
+    tensor, gathers, scatters or concatenates. A batch of two, and a length that leaves
+    partial chunks."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def checked(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kwargs):
+        calls.append((attn_mask, is_causal, q.shape[-2], k.shape[-2]))
+        return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kwargs)
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            outs = out if isinstance(out, (tuple, list)) else (out,)
+            self.seen.add((func.overloadpacket.__name__, any(isinstance(o, torch.Tensor) and o.dtype == torch.bool for o in outs)))
+            return out
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", checked)
+    pattern = attn_patterns.get(name, **params)
+    q, k, v = qkv(37, kv_heads, dtype=torch.float32, grad=True)
+    with Ops() as ops:
+        pattern(q, k, v).sum().backward()
+    assert calls and all(mask is None and (not causal or lq == lk) for mask, causal, lq, lk in calls), calls
+    assert not {op for op, _ in ops.seen} & GATHERS
+    assert not [op for op, boolean in ops.seen if boolean]
+
+
 @pytest.mark.parametrize("name", ["causal", "s2", "scca_fixed", "scca_flow", "sda", "longmixed"])
 def test_grouped_query_kv_is_not_repeated(name):
-    """K/V with fewer heads go to the kernel as they are (SDPA enable_gqa, per-group gathers)
-    whenever the head split respects KV groups: here 8 query heads on 4 KV heads. (On CPU
-    only while batch × KV heads covers the threads: see kernels._gqa_native.)"""
+    """K/V with fewer heads go to the kernel as they are (SDPA enable_gqa, views) whenever the
+    head split respects KV groups: here 8 query heads on 4 KV heads. (On CPU only where batch
+    × KV heads fill the threads evenly, so one thread here: see kernels._gqa_native.)"""
     from torch.profiler import profile
 
     q, k, v = qkv(37, 4, dtype=torch.float32, grad=True)
@@ -310,6 +355,39 @@ def test_registered_rule_only_pattern_gets_mask_pairs_and_flex():
         attn_patterns.PATTERNS.remove("test_sink")
 
 
+def test_mix_with_a_pattern_registered_from_outside():
+    """A part with no pieces of its own (a pattern from outside, one K/V head per query head)
+    runs its own forward on its heads, K/V repeated where its heads cut through a KV group, and
+    lands in the mix's one output beside the built-in parts' pieces: values and gradients
+    equal the dense reference."""
+
+    class Window(attn_patterns.Pattern):
+        name = "test_window"
+
+        def __init__(self, backend=None):
+            super().__init__(backend)
+
+        def rule(self, h, i, j, *, n, num_heads):
+            return i - j < 3
+
+        def forward(self, q, k, v, backend):
+            return dense_attention(q, k, v, self.mask(q.shape[2], q.shape[1]))
+
+    attn_patterns.register("test_window")(Window)
+    try:
+        pattern = attn_patterns.get("mixed", parts=[({"name": "sda", "dilation": 2}, 0.25), ("test_window", 0.375),
+                                                    ("causal", 0.375)])
+        for kv_heads in (8, 2):
+            q, k, v = qkv(13, kv_heads, grad=True)
+            out, ref = pattern(q, k, v), dense_attention(q, k, v, pattern.mask(13, H))
+            torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-10)
+            cot = torch.randn_like(out)
+            for a, b in zip(torch.autograd.grad(out, (q, k, v), cot), torch.autograd.grad(ref, (q, k, v), cot)):
+                torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+    finally:
+        attn_patterns.PATTERNS.remove("test_window")
+
+
 @pytest.mark.parametrize("name", ["s2", "scca_fixed", "scca_flow", "sda", "longmixed"])
 def test_transformers_layout_input(name):
     """transformers hands over (B, N, H, D) transposed to (B, H, N, D): a strided view."""
@@ -343,7 +421,7 @@ def _flash_attn_func_as_documented(q, k, v, causal=False, window_size=(-1, -1), 
 
 @pytest.mark.parametrize("name,params", PATTERNS, ids=IDS)
 def test_flash_window_arithmetic(name, params, monkeypatch):
-    """The flash backend cannot run without CUDA; its block -> window translation can, against
+    """The flash backend cannot run without CUDA; its calls on views can, against
     a stand-in with flash-attn's documented semantics."""
     import sys
     import types

@@ -140,7 +140,7 @@ CHOICES = {
     "model.rope_method": tuple(ROPE_METHODS),
     "model.quantization": ("none", "nf4"),
     "train.loss": ("chunked", "model"),
-    "attention.backend": (None, "auto", "sdpa", "flash", "flex"),
+    "attention.backend": (None, "auto", "sdpa", "flash", "flex", "triton"),
     "data.packing": ("blocks", "padding_free"),
     "train.scheduler": ("constant", "linear", "cosine"),
     "train.weight_decay_on": ("all", "matrices"),
@@ -369,18 +369,26 @@ def _check_validation(recipe: Recipe) -> None:
 
 
 def check_sequence_parallel(sp: int, world_size: int, heads: int, kv_heads: int) -> None:
-    """DeepSpeed's rules for Ulysses, before anything loads: the world splits into SP groups,
-    each rank attends with heads / sp query heads, and K/V heads split the same way or are
-    replicated."""
+    """DeepSpeed's rules for Ulysses, before anything loads (:func:`sequence_parallel_rule`)."""
+    rule = sequence_parallel_rule(sp, world_size, heads, kv_heads)
+    if rule is not None:
+        fail("train.sequence_parallel_size", sp, rule)
+
+
+def sequence_parallel_rule(sp: int, world_size: int, heads: int, kv_heads: int) -> Optional[str]:
+    """The rule of Ulysses an ``sp`` breaks, None if none (``sparse-ft plan --sp`` asks too):
+    the world splits into SP groups, each rank attends with heads / sp query heads, and K/V
+    heads split the same way or are replicated."""
     if sp == 1:
-        return
+        return None
     if heads % sp:
-        fail("train.sequence_parallel_size", sp, f"must divide the model's num_attention_heads={heads} (each rank attends with heads / sp)")
+        return f"must divide the model's num_attention_heads={heads} (each rank attends with heads / sp)"
     if kv_heads % sp and sp % kv_heads:
-        fail("train.sequence_parallel_size", sp,
-             f"must divide the model's num_key_value_heads={kv_heads} or be a multiple of it (then K/V heads are replicated)")
+        return (f"must divide the model's num_key_value_heads={kv_heads} or be a multiple of it "
+                "(then K/V heads are replicated)")
     if world_size % sp:
-        fail("train.sequence_parallel_size", sp, f"must divide the number of processes, {world_size} (data parallelism runs across world / sp groups)")
+        return f"must divide the number of processes, {world_size} (data parallelism runs across world / sp groups)"
+    return None
 
 
 def _check_deepspeed(recipe: Recipe, config: dict) -> None:

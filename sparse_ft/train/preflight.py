@@ -16,6 +16,7 @@ from sparse_ft.config import Recipe
 from sparse_ft.config.deepspeed_file import check_cuda_arch_list, check_with_deepspeed, read_deepspeed_config
 from sparse_ft.config.schema import BadInput, check_sequence_parallel, fail, one_line
 from sparse_ft.data.packing import check_source
+from sparse_ft.modeling.dtypes import torch_dtype
 from sparse_ft.modeling.families import geometry
 from sparse_ft.methods import Method
 from sparse_ft.modeling.model_io import is_repo_id, load_tokenizer
@@ -62,6 +63,11 @@ def check_model(recipe: Recipe, method: Method):
         if backend == "flex" and not torch.cuda.is_available():
             fail(key, "flex", "FlexAttention has no backward on CPU in torch, and torch sees no CUDA device here; "
                  "use sdpa, or auto")
+        if backend == "triton":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            why = kernels.triton_unsupported(device, torch_dtype(recipe.model.dtype))
+            if why is not None:
+                fail(key, "triton", f"the block-sparse Triton kernel cannot run here: {why}; use sdpa, or auto")
     config = _model_config(recipe)
     _check_heads(recipe, config, method)
     context = getattr(config, "max_position_embeddings", None)
