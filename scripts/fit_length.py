@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -33,7 +34,7 @@ RECIPE = "qlora/llama2_7b_64k_24gb_qlora"
 GIB = 2**30
 
 
-def write_model(directory: Path, max_length: int) -> Path:
+def write_model(directory: Path, max_length: int, layers: Optional[int]) -> Path:
     """The 8b bench model, built on the GPU in bf16 (an 8B model built on a CPU in fp32 first
     would take longer than the measurement) and saved as an ordinary checkpoint."""
     import torch
@@ -41,7 +42,7 @@ def write_model(directory: Path, max_length: int) -> Path:
     from sparse_ft.bench import models
     from sparse_ft.modeling.tiny import tiny_tokenizer
 
-    model = models.build("8b", max_length, torch.device("cuda"), torch.bfloat16)
+    model = models.build("8b", max_length, torch.device("cuda"), torch.bfloat16, layers=layers)
     model.save_pretrained(directory)
     tiny_tokenizer().save_pretrained(directory)
     del model
@@ -49,10 +50,40 @@ def write_model(directory: Path, max_length: int) -> Path:
     return directory
 
 
+def planner_terms(setup, n: int) -> dict[str, float]:
+    """The planner's peak at ``n`` tokens by named term, in GiB: what a measured breakdown is set beside."""
+    from sparse_ft.plan import memory
+
+    return {name: size / GIB for name, size in memory.components(setup, n).items()}
+
+
+def recorded(step) -> dict:
+    """The step under the allocator's history; a failure of the recording itself (not an
+    out-of-memory) is kept as the breakdown's error and the step is left out, so the sweep goes on."""
+    import torch
+
+
+    errors = []
+    for stacks in ("python", "all"):  # Python stacks failed inside the checkpoint's recomputation once (H200, torch 2.11)
+        try:
+            return {**record_peak(step, stacks=stacks), "failed": errors}
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except Exception as err:  # noqa: BLE001  torch's recorder, not the step, is on trial here
+            errors.append(f"stacks={stacks}: {type(err).__name__}: {err}")
+            print(f"fit_length: the allocator history failed with {errors[-1]}", file=sys.stderr, flush=True)
+    return {"error": errors}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", required=True, help="sequence lengths, tried in increasing order (comma list)")
     parser.add_argument("--keys", default="", help="recipe overrides over the QLoRA recipe (space-separated key=value)")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="cut the model to this many layers (default: all 32); the peak past the stored layer inputs is one layer's")
+    parser.add_argument("--snapshot", type=int, default=None, metavar="N",
+                        help="at length N, record the allocator's history during the step and name what is alive at "
+                             "its peak (sparse_ft/bench/memory_snapshot.py), into the JSON")
     parser.add_argument("--output", type=Path, default=None)
     parser.add_argument("--overwrite", action="store_true")
     args = parser.parse_args()
@@ -77,7 +108,7 @@ def main() -> int:
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="sparse-ft-fit-") as tmp:
         started = time.perf_counter()
-        model_dir = write_model(Path(tmp) / "model", 8192)
+        model_dir = write_model(Path(tmp) / "model", 8192, args.layers)
         overrides = [f"model.name_or_path={model_dir}", f"model.target_length={lengths[-1]}",
                      "train.offload_activations=false", *args.keys.split()]
         recipe = load_recipe(RECIPE, overrides)
@@ -92,16 +123,23 @@ def main() -> int:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
+            breakdown = None
             try:
-                step(n)
+                if args.snapshot == n:
+                    breakdown = recorded(lambda: step(n))
+                else:
+                    step(n)
                 torch.cuda.synchronize()
                 measured, seconds = torch.cuda.max_memory_allocated(), time.perf_counter() - t0
             except torch.cuda.OutOfMemoryError:
                 measured, seconds = None, None
             rows.append({"seq_len": n, "predicted_gib": memory.peak(setup, n) / GIB,
                          "measured_gib": measured / GIB if measured is not None else None, "seconds": seconds,
-                         "fits": measured is not None})
-            print(json.dumps(rows[-1]), flush=True)
+                         "fits": measured is not None, "planner_terms_gib": planner_terms(setup, n),
+                         **({"peak_breakdown": breakdown} if breakdown else {})})
+            print(json.dumps({k: v for k, v in rows[-1].items() if k != "peak_breakdown"}), flush=True)
+            for group in (breakdown or {}).get("groups", [])[:15]:
+                print(f"  {group['bytes'] / GIB:7.2f} GiB in {group['blocks']:5d} blocks  {group['where']}", flush=True)
             if measured is None:
                 break
     fitted = [r["seq_len"] for r in rows if r["fits"]]

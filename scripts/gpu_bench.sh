@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
-# The GPU measurements of issues 12, 22 and 24 on one lent H100 or H200, in parts of under 10
+# Every GPU measurement of issues 30 and 36 on one lent H100 or H200, in three parts of under 10
 # minutes each (one device call each), run from anywhere in the repository:
 #
-#   scripts/gpu_bench.sh part1   # machine and versions, every gpu-marked test, attention kernels (sdpa, flex, flash if importable)
-#   scripts/gpu_bench.sh part2   # training step of the 1B Llama at 8k, 16k, 32k, of Llama-3.1-8B's shapes at 32k (sdpa), then flex
-#   scripts/gpu_bench.sh part3   # DCA and LongHeads prefill 8k-128k vs SDPA's flash kernel; eval NF4 vs bf16 at 8k
-#   scripts/gpu_bench.sh part4   # issue 22: the memory planner against torch.cuda.max_memory_allocated
-#                                # (Llama-2-7B widths cut to 2 layers, 8k and 32k), and peak memory and
-#                                # tokens/s of a step with each memory feature (1B Llama, 8k-32k)
-#   scripts/gpu_bench.sh part5   # the longest QLoRA step of Llama-3.1-8B's shapes that fits, beside the planner
+#   scripts/gpu_bench.sh part1   # machine and versions; every gpu-marked test (the Triton kernel's bf16
+#                                # forward and backward for every pattern among them); attention 4k-128k
+#                                # against the pinned dense kernel (sdpa and triton), then flex
+#   scripts/gpu_bench.sh part2   # training steps (1B 16k-128k, Llama-3.1-8B shapes 32k-128k) with each
+#                                # pattern's Amdahl bound; DCA and LongHeads prefill 8k-128k; NF4 eval vs bf16
+#   scripts/gpu_bench.sh part3   # memory: the planner against the allocator (plan_check), a recorded
+#                                # 8B-shaped QLoRA step at 131k and 180k (what is alive at its peak), the longest fit
+#   scripts/gpu_bench.sh quick   # what a short lease affords (about 6 minutes): the Triton kernels' tests,
+#                                # attention 16k-128k (sdpa, triton), DCA and LongHeads 32k-128k, the 1B step at 64k
 #
-# Every step has its own time cap (each part under 8.5 minutes in all); a capped step keeps the rows it measured (the JSON says
+# Every step has its own time cap; a capped step keeps the rows it measured (the JSON says
 # "complete": false). Results: results/bench/<name>-<gpu>.{json,md}, the machine in
 # results/bench/machine-<gpu>.txt; with $OUT set (the device tool) they and the part's log are
 # copied there too, to be committed from this side with the command above.
@@ -18,20 +20,20 @@
 # Nothing is installed from the network. Needs python3 (or $PYTHON) with CUDA torch and what the
 # device image has (accelerate, safetensors, pyyaml, tqdm, numpy, pyarrow, triton). The rest of
 # the lock's versions travel as wheels in .git/info/exclude'd .whl/ (carried; this script installs
-# any .whl/*.whl into /tmp/site, ahead of the image's packages): on 2026-11-24 transformers 5.23.0,
+# any .whl/*.whl into /tmp/site, ahead of the image's packages): on 2026-11-26 transformers 5.23.0,
 # peft 0.21.2, datasets 5.2.0, dill, multiprocess, hjson, pydantic 2.14.3 + pydantic-core 2.50.4,
 # annotated-types, typing-inspection, typing-extensions 4.16.0 (`python3 -m pip download --no-deps
 # --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_17_x86_64 -d .whl
 # NAME==VERSION`); bitsandbytes 0.50.2 with every libbitsandbytes_*.so but cuda130 and cpu deleted
-# from the wheel (`zip -d`: 43 MB to 4 MB, under the 64 MiB a call carries); deepspeed 0.19.8 as
-# the wheel pip built for the CPU lock (it JIT-builds FusedAdam with the image's nvcc, ~1 min).
-# flash-attn and liger-kernel are used only if they import (neither was carried).
+# from the wheel (`zip -d`: 43 MB to 4 MB, under the 64 MiB a call carries); deepspeed 0.19.8 as the
+# wheel `pip wheel --no-deps deepspeed==0.19.8` builds (it JIT-builds FusedAdam with the image's nvcc,
+# ~1 min). flash-attn and liger-kernel are used only if they import (neither was carried).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PART=${1:-}
 PY=${PYTHON:-python3}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-case "$PART" in part1|part2|part3|part4|part5) ;; *) echo "usage: scripts/gpu_bench.sh part1|part2|part3|part4|part5" >&2; exit 2 ;; esac
+case "$PART" in part1|part2|part3|quick) ;; *) echo "usage: scripts/gpu_bench.sh part1|part2|part3|quick" >&2; exit 2 ;; esac
 
 if compgen -G ".whl/*.whl" >/dev/null; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
@@ -64,7 +66,7 @@ bench() {  # bench CAP NAME ARGS...: sparse-ft bench ARGS --output results/bench
 
 imports() { "$PY" -c "import $1" 2>/dev/null; }
 
-part1() {
+machine() {
     WROTE+=("$RES/machine-$GPU.txt")
     {
         nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -80,54 +82,72 @@ for name in ("transformers", "peft", "accelerate", "triton", "flash_attn", "bits
         print(name, "not installed")
 EOF
     } | tee "$RES/machine-$GPU.txt"
+}
+
+gpu_tests() {  # gpu_tests CAP PYTEST-ARGS...: the gpu-marked tests, their record committed
+    local cap=$1
+    shift
     WROTE+=("$RES/gpu-tests-$GPU.txt")
-    step 270 "gpu tests" "$PY" -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tee "$RES/gpu-tests-$GPU.txt"
-    local backends=sdpa
-    imports flash_attn && backends=sdpa,flash
-    bench 110 "attention-h32-d128-${backends//,/-}" attention --dtype bf16 --lengths 4096,8192,16384,32768 --heads 32 \
-        --kv-heads 8 --head-dims 128 --backends "$backends" --warmup 2 --repeats 5
-    # FlexAttention compiles a kernel per pattern and length: the target lengths only.
-    bench 170 attention-h32-d128-flex attention --dtype bf16 --lengths 16384,32768 --heads 32 --kv-heads 8 \
-        --head-dims 128 --backends flex --warmup 2 --repeats 5
+    step "$cap" "gpu tests" "$PY" -m pytest -q -p no:cacheprovider -m gpu "$@" 2>&1 | tee "$RES/gpu-tests-$GPU.txt"
+}
+
+ATTN=(--dtype bf16 --heads 32 --kv-heads 8 --head-dims 128 --warmup 1 --repeats 5)
+
+attention() {  # attention CAP LENGTHS: every pattern on sdpa and triton against the pinned dense kernel
+    local backends=sdpa,triton
+    imports flash_attn && backends=$backends,flash
+    bench "$1" attention-h32-d128 attention "${ATTN[@]}" --lengths "$2" --backends "$backends"
+}
+
+train_1b() {  # train_1b CAP LENGTHS: the 1B step of every pattern beside full attention and its Amdahl bound
+    bench "$1" train-1b train --model 1b --dtype bf16 --lengths "$2" --patterns s2,scca_fixed,scca_flow,sda,longmixed \
+        --warmup 1 --repeats 3
+}
+
+recorded_fit() {  # recorded_fit CAP: the planner against a recorded QLoRA step of Llama-3.1-8B's widths cut to 2 layers
+    WROTE+=("$RES/fit-8b-2layers-$GPU.json" "$RES/fit-8b-2layers-$GPU.md")
+    step "$1" fit-8b-2layers "$PY" scripts/fit_length.py --layers 2 --lengths 131072,180224 --snapshot 180224 \
+        --output "$RES/fit-8b-2layers-$GPU.json" --overwrite
+}
+
+part1() {
+    machine
+    gpu_tests 240 tests
+    attention 150 4096,8192,16384,32768,65536,131072
+    # FlexAttention compiles once for every length (dynamic shapes): the whole sweep
+    bench 120 attention-h32-d128-flex attention "${ATTN[@]}" --lengths 8192,16384,32768,65536 --backends flex
 }
 
 part2() {
-    bench 150 train-1b train --model 1b --dtype bf16 --lengths 8192,16384,32768 \
-        --patterns s2,scca_fixed,scca_flow,longmixed --warmup 1 --repeats 3
-    bench 150 train-8b train --model 8b --dtype bf16 --lengths 32768 \
-        --patterns s2,scca_flow,longmixed --warmup 1 --repeats 2
-    bench 180 train-1b-flex train --model 1b --dtype bf16 --lengths 16384,32768 --backend flex \
-        --patterns s2,scca_fixed,longmixed --warmup 1 --repeats 2
-}
-
-part3() {
-    bench 120 dca-prefill dca --dtype bf16 --lengths 8192,16384,32768,65536,131072 --heads 32 --kv-heads 8 --head-dim 128 \
-        --pretraining-length 4096 --warmup 1 --repeats 3
-    bench 80 longheads dca --dtype bf16 --lengths 8192,16384,32768 --heads 32 --kv-heads 8 --head-dim 128 \
-        --pretraining-length 4096 --longheads --warmup 1 --repeats 2
+    train_1b 170 16384,32768,65536,131072
+    bench 150 train-8b train --model 8b --dtype bf16 --lengths 32768,65536,131072 --patterns s2,scca_flow,longmixed \
+        --warmup 1 --repeats 3
+    bench 100 dca-prefill dca --dtype bf16 --lengths 8192,16384,32768,65536,131072 --heads 32 --kv-heads 8 --head-dim 128 \
+        --pretraining-length 4096 --longheads --warmup 1 --repeats 5
     if imports bitsandbytes; then
-        bench 220 eval-nf4 eval --model 1b --dtype bf16 --lengths 8192 --warmup 1 --repeats 3
+        bench 120 eval-nf4 eval --model 1b --dtype bf16 --lengths 8192 --warmup 1 --repeats 3
     else
         echo "== eval-nf4: not run, bitsandbytes does not import (carry its wheel in .whl/, see the top of this file)"
     fi
 }
 
-part4() {
-    WROTE+=("$RES/plan-check-$GPU.json" "$RES/plan-check-$GPU.md" "$RES/memory-$GPU.json" "$RES/memory-$GPU.md")
-    step 280 plan-check "$PY" scripts/plan_check.py --device cuda --cases gpu --output "$RES/plan-check-$GPU.json" \
+part3() {
+    WROTE+=("$RES/plan-check-$GPU.json" "$RES/plan-check-$GPU.md" "$RES/fit-8b-$GPU.json" "$RES/fit-8b-$GPU.md")
+    step 150 plan-check "$PY" scripts/plan_check.py --device cuda --cases gpu --output "$RES/plan-check-$GPU.json" \
         | tee "$RES/plan-check-$GPU.md"
-    local features="baseline (model loss),chunked loss,chunked + offload,chunked + tiled MLP"
-    imports bitsandbytes && features="$features,all"
-    step 220 bench-memory "$PY" scripts/bench_memory.py --device cuda --model 1b --lengths 32768 --chunk-tokens 4096 \
-        --patterns full,s2 --features "$features" --output "$RES/memory-$GPU.json" --overwrite
+    recorded_fit 90
+    # the planner's longest fit for this recipe on a 140 GiB H200 is 195,584 tokens; an H200 measured
+    # 180,224 to fit and 196,608 not (results/bench/fit-8b-h200.md)
+    step 300 fit-8b "$PY" scripts/fit_length.py --lengths 131072,180224,196608 --output "$RES/fit-8b-$GPU.json" --overwrite
 }
 
-part5() {
-    # the planner's longest fit for this recipe on a 140 GiB H200 is 206,848 tokens; an H200 measured
-    # 180,224 to fit and 196,608 not (results/bench/fit-8b-h200.md)
-    WROTE+=("$RES/fit-8b-$GPU.json" "$RES/fit-8b-$GPU.md")
-    step 500 fit-8b "$PY" scripts/fit_length.py --lengths 131072,180224,196608,206848 \
-        --output "$RES/fit-8b-$GPU.json" --overwrite
+quick() {
+    machine
+    gpu_tests 100 tests/test_triton_attention.py tests/test_dca_triton.py tests/test_memory_snapshot.py
+    attention 110 16384,32768,65536,131072
+    bench 60 dca-prefill dca --dtype bf16 --lengths 32768,65536,131072 --heads 32 --kv-heads 8 --head-dim 128 \
+        --pretraining-length 4096 --longheads --warmup 1 --repeats 5
+    bench 70 train-1b train --model 1b --dtype bf16 --lengths 65536 --patterns s2,scca_flow,longmixed --warmup 1 --repeats 3
 }
 
 exec > >(tee "$LOG") 2>&1

@@ -1,15 +1,22 @@
 """The benchmarks run end to end on CPU at tiny sizes and write what scripts/gpu_bench.sh collects on
-a GPU: JSON and a markdown table with the command, rows per size, OOM recorded, not fatal."""
+a GPU: JSON and a markdown table with the command, rows per size, OOM recorded, not fatal. What
+makes them trustworthy is tested with fakes: baseline and patterns run round-robin, every
+pattern call runs under the dense kernel's pinned backend, the arithmetic of the ratios."""
 
 import json
+import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
+import attn_patterns
+from sparse_ft.bench import attention, dense_kernel, machine, models, train_step
 from sparse_ft.bench import cli as bench_cli
-from sparse_ft.bench import machine, models, train_step
 from sparse_ft.cli import main
+
+VERSIONS = {"python", "torch", "triton", "cuda", "cudnn", "gpu", "cpu", "torch_threads"}
 
 
 def _oom():
@@ -19,29 +26,118 @@ def _oom():
 def test_bench_attention_cli_end_to_end(tmp_path, capsys):
     out = tmp_path / "bench.json"
     code = main(["bench", "attention", "--lengths", "64,96", "--heads", "8", "--kv-heads", "2", "--head-dims", "16",
-                 "--repeats", "1", "--warmup", "0", "--backends", "sdpa", "--output", str(out)])
+                 "--repeats", "2", "--warmup", "0", "--backends", "sdpa", "--output", str(out)])
     assert code == 0
     payload = json.loads(out.read_text())
     assert payload["machine"] and payload["dtype"] == "fp32" and payload["device"] == "cpu"
     assert "torch threads" in payload["machine"] and "VmHWM" in payload["peak_memory"]
-    assert payload["warmup"] == 0 and payload["repeats"] == 1 and payload["complete"] is True
+    assert set(payload["versions"]) == VERSIONS and payload["versions"]["torch"] == torch.__version__
+    assert payload["warmup"] == 0 and payload["repeats"] == 2 and payload["complete"] is True
+    assert payload["too_few_repeats"] is True and payload["sdpa_backend"] == "auto"
+    assert payload["flops"] == "4·pairs·D forward, 3.5× that forward+backward"
     assert payload["command"].startswith("sparse-ft bench attention --lengths 64,96")
     rows = payload["results"]
     assert {r["pattern"] for r in rows} == {"s2", "scca_fixed", "scca_flow", "sda", "longmixed"}
     assert {r["seq_len"] for r in rows} == {64, 96} and {r["backend"] for r in rows} == {"sdpa"}
     for r in rows:
         assert (r["heads"], r["kv_heads"], r["head_dim"]) == (8, 2, 16)
-        assert r["ms"] > 0 and r["dense_ms"] > 0
-        assert abs(r["speedup"] - r["dense_ms"] / r["ms"]) < 1e-9
-        assert abs(r["fraction_of_ideal"] - r["speedup"] / r["ideal"]) < 1e-9
+        # fp32 on a CPU: torch's fused CPU kernel, named by the profiler, forward and backward
+        assert r["dense_kernel"] == {"backend": "FLASH_ATTENTION", "kernels": ["", ""],
+                                     "ops": ["aten::_scaled_dot_product_flash_attention_for_cpu",
+                                             "aten::_scaled_dot_product_flash_attention_for_cpu_backward"]}
+        assert 0 < r["ms_min"] <= r["ms_median"] and 0 < r["dense_ms_min"] <= r["dense_ms_median"]
+        assert r["speedup"] == pytest.approx(r["dense_ms_median"] / r["ms_median"])
+        assert r["speedup_min"] == pytest.approx(r["dense_ms_min"] / r["ms_min"])
+        assert r["fraction_of_ideal"] == pytest.approx(r["speedup"] / r["ideal"])
+        assert r["fraction_of_ideal_min"] == pytest.approx(r["speedup_min"] / r["ideal"])
+        # of ideal is the pattern's TFLOP/s over its own pairs against the dense kernel's
+        assert r["fraction_of_ideal"] == pytest.approx(r["tflops"] / r["dense_tflops"])
+        causal_pairs = 8 * r["seq_len"] * (r["seq_len"] + 1) // 2
+        assert r["dense_tflops"] == pytest.approx(14 * causal_pairs * 16 / r["dense_ms_median"] / 1e9)
         assert r["ideal"] > 1.0  # every sparse pattern computes fewer pairs than causal attention
         assert r["peak_mib"] == r["peak_mib"] and r["dense_peak_mib"] == r["dense_peak_mib"]  # measured, not NaN
+        assert r["error"] is None and r["dense_error"] is None
     s2_64 = next(r for r in rows if r["pattern"] == "s2" and r["seq_len"] == 64)
     # N=64, w=16: 4 heads in chunks of 16 (4·136 pairs), 4 heads in 8|16|16|16|8 (36+3·136+36).
     assert s2_64["ideal"] == (8 * 64 * 65 / 2) / (4 * 4 * 136 + 4 * (36 + 3 * 136 + 36))
-    assert "| scca_flow | sdpa | 64 |" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "| scca_flow | sdpa | 64 |" in printed and "min and median of 2 measured rounds (fewer than 5" in printed
     markdown = out.with_suffix(".md").read_text()
     assert f"Command: `{payload['command']}`" in markdown and "| longmixed | sdpa | 96 |" in markdown
+    assert "- flash: FLASH_ATTENTION, aten::_scaled_dot_product_flash_attention_for_cpu" in markdown
+
+
+def _fake_patterns(monkeypatch, calls, *, refuse=()):
+    """Patterns s2 and sda replaced by fakes that record each call (name, whether SDPA was
+    pinned) and return dense causal attention; the dense baseline records its calls too. A name
+    in ``refuse`` fails as SDPA does when no allowed kernel takes a call."""
+    real_get = attn_patterns.get
+
+    def record(name):
+        calls.append((name, not torch.backends.cuda.math_sdp_enabled()))
+
+    class Fake:
+        def __init__(self, name):
+            self.name = name
+
+        def __call__(self, q, k, v):
+            record(self.name)
+            if self.name in refuse:
+                raise RuntimeError("No available kernel. Aborting execution.")
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+        def visible_pairs(self, n, h):
+            return real_get("causal").visible_pairs(n, h) // 2
+
+    def dense(q, k, v):
+        record("dense")
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    monkeypatch.setattr(attn_patterns, "get", lambda name, **kw: real_get(name) if name == "causal" else Fake(name))
+    monkeypatch.setattr(attention, "_dense", dense)
+
+
+def test_bench_attention_interleaves_baseline_and_patterns_under_the_pinned_kernel(monkeypatch):
+    """One unpinned profiled dense call names the kernel; then warm-up, measured and peak-memory
+    rounds of baseline, s2, sda in turn, every call (patterns' included) with SDPA pinned."""
+    calls = []
+    _fake_patterns(monkeypatch, calls)
+    rows = list(attention.run([32], [2], [8], ["s2", "sda"], warmup=1, repeats=5))
+    assert calls == [("dense", False)] + [("dense", True), ("s2", True), ("sda", True)] * (1 + 5 + 1)
+    assert [r.pattern for r in rows] == ["s2", "sda"] and all(r.ideal == pytest.approx(2, rel=0.02) for r in rows)
+    assert rows[0].dense_kernel.backend == "FLASH_ATTENTION" and rows[0].dense_kernel.label == "flash"
+
+
+def test_a_pattern_the_pinned_kernel_cannot_run_gets_a_row_saying_so(monkeypatch):
+    calls = []
+    _fake_patterns(monkeypatch, calls, refuse={"s2"})
+    s2, sda = attention.run([32], [2], [8], ["s2", "sda"], warmup=0, repeats=2)
+    assert s2.ms_median is None and s2.speedup is None and s2.error.startswith("no flash kernel for one of its SDPA")
+    assert sda.ms_median > 0 and sda.error is None
+    assert calls.count(("s2", True)) == 1  # dropped at its first run; the others went on
+    table = attention.markdown([s2, sda])
+    assert "| s2 | sdpa | 32 | 2 | 2 | 8 | no kernel | no kernel |" in table and "- s2 (sdpa) at N=32: no flash kernel" in table
+
+
+def test_dense_kernel_named_and_pinned_on_cpu():
+    q = torch.randn(1, 2, 32, 8, requires_grad=True)
+    step = attention._step(attention._dense, q, q.detach().clone(), q.detach().clone())
+    picked = dense_kernel.find(step, torch.device("cpu"))
+    assert picked.backend == "FLASH_ATTENTION" and picked.ops[0] == "aten::_scaled_dot_product_flash_attention_for_cpu"
+    asked = dense_kernel.find(step, torch.device("cpu"), "math")
+    assert asked.backend == "MATH" and asked.ops == ("aten::_scaled_dot_product_attention_math",)
+    with pytest.raises(ValueError, match="--sdpa-backend cudnn: SDPA has no cudnn kernel for a dense causal call"):
+        dense_kernel.find(step, torch.device("cpu"), "cudnn")
+    assert bench_cli.SDPA_BACKENDS == list(dense_kernel.BACKENDS)  # the parser's list, without importing torch
+
+
+def test_flops_are_flash_attentions_count():
+    """4·pairs·D forward, 2.5× that backward: the issue's 584 TFLOP/s for the H200's dense
+    forward+backward at 32k (H=32, D=128, 52.75 ms)."""
+    assert dense_kernel.flops(1, 1, backward=False) == 4 and dense_kernel.flops(1, 1, backward=True) == 14
+    pairs = attn_patterns.get("causal").visible_pairs(32768, 32)
+    assert dense_kernel.tflops(pairs, 128, 52.75172400001793, backward=True) == pytest.approx(583.6, abs=0.1)
+    assert dense_kernel.tflops(pairs, 128, None, backward=True) is None
 
 
 def test_bench_rejects_bad_input(capsys):
@@ -53,14 +149,16 @@ def test_bench_rejects_bad_input(capsys):
     assert "--kv-heads=3 must divide" in capsys.readouterr().err
     assert main(["bench", "attention", "--lengths", "64", "--heads", "6", "--patterns", "scca_flow"]) == 2
     assert "num_heads=6" in capsys.readouterr().err
-    assert main(["bench", "attention", "--lengths", "64", "--backends", "sdpa,triton"]) == 2
-    assert "bench attention: --backends='sdpa,triton' is not a comma list of sdpa, flex, flash" in capsys.readouterr().err
+    assert main(["bench", "attention", "--lengths", "64", "--backends", "sdpa,bogus"]) == 2
+    assert "bench attention: --backends bogus: backend='bogus' is unknown; allowed: sdpa" in capsys.readouterr().err
     assert main(["bench", "attention", "--lengths", "64", "--backends", "flex", "--device", "cpu"]) == 2
     assert "flex needs CUDA" in capsys.readouterr().err
     assert main(["bench", "attention", "--lengths", "64", "--backends", "flash", "--device", "cpu"]) == 2
-    assert "flash needs the flash-attn package, CUDA" in capsys.readouterr().err
+    assert "--backends flash: backend='flash' needs the flash-attn package and CUDA" in capsys.readouterr().err
     assert main(["bench", "train", "--lengths", "64", "--backend", "flash", "--device", "cpu"]) == 2
-    assert "bench train: --backend flash needs the flash-attn package" in capsys.readouterr().err
+    assert "bench train: --backend flash: backend='flash' needs the flash-attn package" in capsys.readouterr().err
+    assert main(["bench", "train", "--lengths", "64", "--backend", "sdpa,flex"]) == 2
+    assert "bench train: --backend='sdpa,flex' names one backend" in capsys.readouterr().err
     assert main(["bench", "dca", "--lengths", "64", "--heads", "8", "--kv-heads", "3"]) == 2
     assert "--heads=8 must be a multiple of --kv-heads=3" in capsys.readouterr().err
     with pytest.raises(SystemExit):
@@ -68,17 +166,57 @@ def test_bench_rejects_bad_input(capsys):
     assert "invalid choice: '7b'" in capsys.readouterr().err
 
 
+def test_bench_backends_are_the_patterns_to_refuse(monkeypatch):
+    """--backends passes a name such as triton to the patterns' own check: accepted when they
+    take it, refused with their message when not."""
+    import attn_patterns.kernels as kernels
+
+    real = kernels.resolve_backend
+    monkeypatch.setattr(kernels, "resolve_backend", lambda b, q: b if b == "triton" else real(b, q))
+    assert bench_cli._backends("sdpa,triton", torch.device("cpu"), "fp32", "--backends") == ["sdpa", "triton"]
+    assert bench_cli.BACKENDS == ", ".join(kernels.BACKENDS)  # the help text's list, without importing torch
+
+
 def test_bench_train_step_lora_with_checkpointing(tmp_path, capsys):
     out = tmp_path / "train.json"
-    assert main(["bench", "train", "--lengths", "32", "--patterns", "scca_flow", "--repeats", "1", "--warmup", "0",
+    assert main(["bench", "train", "--lengths", "32", "--patterns", "scca_flow", "--repeats", "2", "--warmup", "0",
                  "--model", "tiny", "--gradient-checkpointing", "--output", str(out)]) == 0
     payload = json.loads(out.read_text())
     assert payload["model"] == "tiny" and payload["gradient_checkpointing"] is True and payload["complete"] is True
-    rows = payload["results"]
-    assert [r["pattern"] for r in rows] == ["full", "scca_flow"]
-    assert rows[0]["speedup"] == 1.0 and rows[1]["tokens_per_s"] > 0
+    assert set(payload["versions"]) == VERSIONS and payload["too_few_repeats"] is True
+    assert set(payload["peak_memory"]) == {"step", "attention"}
+    full, free, flow = payload["results"]
+    assert [r["pattern"] for r in (full, free, flow)] == ["full", "no attention", "scca_flow"]
+    a = 1 - free["ms_median"] / full["ms_median"]
+    for r in (full, free, flow):
+        assert r["attention_share"] == pytest.approx(a) and 0 < r["ms_min"] <= r["ms_median"]
+        assert r["speedup"] == pytest.approx(full["ms_median"] / r["ms_median"])
+        assert r["fraction_of_bound"] == pytest.approx(r["speedup"] / r["amdahl_bound"])
+        assert r["step_peak_mib"] > 0 and r["attention_peak_mib"] is None  # CUDA only
+    assert full["speedup"] == 1.0 and full["ideal"] == 1.0 and full["amdahl_bound"] == pytest.approx(1.0)
+    assert free["ideal"] is None and free["amdahl_bound"] == pytest.approx(1 / (1 - a))  # attention free
+    assert flow["ideal"] > 2 and flow["amdahl_bound"] == pytest.approx(1 / ((1 - a) + a / flow["ideal"]))
+    assert flow["tokens_per_s"] == pytest.approx(32 / flow["ms_median"] * 1e3)
     assert "| scca_flow | 32 |" in capsys.readouterr().out
-    assert "LoRA+" in out.with_suffix(".md").read_text()
+    markdown = out.with_suffix(".md").read_text()
+    assert "LoRA+" in markdown and "| no attention | 32 |" in markdown and "Amdahl bound" in markdown
+
+
+def test_amdahl_bound():
+    """The issue's arithmetic: attention 39 % of an 8B step at 32k; free attention gives at most
+    1.64×, a pattern at 4× its ideal 1.41×."""
+    assert train_step.amdahl_bound(0.39, math.inf) == pytest.approx(1.639, abs=1e-3)
+    assert train_step.amdahl_bound(0.39, 4.0) == pytest.approx(1 / (0.61 + 0.0975))
+    assert train_step.amdahl_bound(0.39, 1.0) == pytest.approx(1.0) and train_step.amdahl_bound(0.0, 8.0) == 1.0
+
+
+def test_no_attention_keeps_shapes_and_the_projections_in_the_graph():
+    q = torch.randn(1, 4, 16, 8, requires_grad=True)
+    k, v = (torch.randn(1, 2, 16, 8, requires_grad=True) for _ in range(2))
+    out, weights = train_step.NoAttention()(None, q, k, v, None, scaling=0.5)
+    assert out.shape == (1, 16, 4, 8) and weights is None and torch.equal(out, q.transpose(1, 2))
+    out.sum().backward()
+    assert torch.equal(q.grad, torch.ones_like(q)) and torch.equal(k.grad, torch.zeros_like(k)) and v.grad is not None
 
 
 def test_1b_model_is_the_issue_shape():
@@ -108,28 +246,32 @@ def test_8b_model_has_the_planners_llama31_shape():
 def test_out_of_memory_is_recorded_and_the_sweep_goes_on():
     cpu = torch.device("cpu")
     assert machine.measure(_oom, cpu, 1, 2) is None
-    got = machine.interleaved({"dense": _oom, "dca": lambda: None}, cpu, 1, 2)
-    assert got["dense"] is None and got["dca"][0] >= 0
+    order = []
+    got = machine.interleaved({"dense": _oom, "dca": lambda: order.append("dca")}, cpu, 1, 5)
+    assert got["dense"] == machine.Timing(error="OOM") and 0 <= got["dca"].min_ms <= got["dca"].median_ms
+    assert order == ["dca"] * (1 + 5 + 1)
     assert machine.cell(None, ".1f") == "OOM" and machine.cell(None, ".2f", "–", "×") == "–"
 
 
 def test_bench_train_records_full_attention_oom(tmp_path, monkeypatch, capsys):
     """Full attention at 32k may not fit: its row says OOM, the patterns keep their numbers."""
-    real = train_step.measure
-    calls = []
+    real = train_step.use_attention
 
-    def full_runs_out(fn, device, warmup, repeats):
-        calls.append(1)
-        return real(_oom, device, warmup, repeats) if len(calls) == 1 else real(fn, device, warmup, repeats)
+    def full_runs_out(net, method):
+        if method.name == "full":
+            _oom()
+        return real(net, method)
 
-    monkeypatch.setattr(train_step, "measure", full_runs_out)
+    monkeypatch.setattr(train_step, "use_attention", full_runs_out)
     out = tmp_path / "train.json"
     assert main(["bench", "train", "--lengths", "32", "--patterns", "s2", "--repeats", "1", "--warmup", "0",
                  "--output", str(out)]) == 0
-    full, s2 = json.loads(out.read_text())["results"]
-    assert full["ms"] is None and full["tokens_per_s"] is None and full["speedup"] is None
-    assert s2["ms"] > 0 and s2["full_tokens_per_s"] is None and s2["speedup"] is None
-    assert "| full | 32 | OOM | OOM | OOM | – |" in out.with_suffix(".md").read_text()
+    full, free, s2 = json.loads(out.read_text())["results"]
+    assert full["ms_median"] is None and full["tokens_per_s"] is None and full["speedup"] is None
+    assert full["error"] == "OOM" and full["attention_peak_mib"] is None
+    assert s2["ms_median"] > 0 and s2["full_tokens_per_s"] is None and s2["speedup"] is None
+    assert s2["attention_share"] is None and s2["amdahl_bound"] is None and free["ms_median"] > 0
+    assert "| full | 32 | OOM | OOM | OOM | OOM | – | – | 1.00× | – | – | – | OOM | OOM |" in out.with_suffix(".md").read_text()
 
 
 def test_bench_keeps_the_rows_measured_before_a_stop(tmp_path):
@@ -154,14 +296,21 @@ def test_bench_dca_against_causal_sdpa(tmp_path, capsys, longheads):
                  *(["--longheads"] if longheads else [])]) == 0
     payload = json.loads(out.read_text())
     assert (payload["heads"], payload["kv_heads"], payload["head_dim"], payload["pretraining_length"]) == (4, 2, 16, 128)
+    assert set(payload["versions"]) == VERSIONS and payload["repeats"] == 1 and payload["too_few_repeats"] is True
     first, second = payload["results"]
     assert first["memory_exponent"] is None and first["chunk_size"] == 96 and first["local_window"] == 32
     for r in (first, second):
-        assert r["dca_ms"] > 0 and r["dense_ms"] > 0 and abs(r["time_ratio"] - r["dca_ms"] / r["dense_ms"]) < 1e-9
+        assert r["dense_kernel"]["backend"] == "FLASH_ATTENTION" and r["errors"] == {}
+        assert r["dca_ops"] == ["aten::_scaled_dot_product_flash_attention_for_cpu"]  # DCA's pieces, named
+        assert r["dca_ms_min"] <= r["dca_ms_median"] and r["dense_ms_min"] <= r["dense_ms_median"]
+        assert r["time_ratio"] == pytest.approx(r["dca_ms_median"] / r["dense_ms_median"])
+        assert r["time_ratio_min"] == pytest.approx(r["dca_ms_min"] / r["dense_ms_min"])
+        assert r["dca_tflops"] / r["dense_tflops"] == pytest.approx(1 / r["time_ratio"])  # the same causal FLOPs
         if longheads:  # its throughput as a fraction of DCA's
-            assert r["longheads_ms"] > 0 and abs(r["longheads_vs_dca_throughput"] - r["dca_ms"] / r["longheads_ms"]) < 1e-9
+            assert r["longheads_ms_median"] > 0
+            assert r["longheads_vs_dca_throughput"] == pytest.approx(r["dca_ms_median"] / r["longheads_ms_median"])
         else:
-            assert "longheads_ms" not in r
+            assert "longheads_ms_median" not in r
     assert "| 300 |" in capsys.readouterr().out and "DCA memory exponent" in out.with_suffix(".md").read_text()
     assert ("LongHeads / DCA throughput" in out.with_suffix(".md").read_text()) == longheads
 
@@ -169,7 +318,9 @@ def test_bench_dca_against_causal_sdpa(tmp_path, capsys, longheads):
 def test_bench_eval_nf4_against_unquantised(tmp_path):
     out = tmp_path / "eval.json"
     assert main(["bench", "eval", "--lengths", "64", "--warmup", "0", "--repeats", "1", "--output", str(out)]) == 0
-    (row,) = json.loads(out.read_text())["results"]
+    payload = json.loads(out.read_text())
+    assert set(payload["versions"]) == VERSIONS
+    (row,) = payload["results"]
     assert row["seq_len"] == 64 and row["unquantised_tokens_per_s"] > 0 and row["nf4_tokens_per_s"] > 0
     assert abs(row["nf4_ratio"] - row["nf4_tokens_per_s"] / row["unquantised_tokens_per_s"]) < 1e-9
     # every linear layer not listed as kept is 4-bit: 1/8 of its fp32 bytes and small quantisation statistics
@@ -187,3 +338,24 @@ def test_train_baseline_is_the_models_own_attention_on_any_backend():
     chosen = train_step.trained_methods(["s2", "full"], "flex", "bf16")
     assert list(chosen) == ["full", "s2"] and not chosen["full"].replaces_attention
     assert chosen["s2"].pattern.backend == "flex"
+
+
+@pytest.mark.gpu
+def test_dense_kernel_and_call_peak_on_cuda():
+    """On a GPU the profiler names a device kernel under SDPA's op, and a call's own peak is
+    measured without losing the enclosing region's (the CUDA allocator's counter is reset per call)."""
+    cuda = torch.device("cuda")
+    q = torch.randn(1, 8, 1024, 64, device=cuda, dtype=torch.bfloat16, requires_grad=True)
+    kv = torch.randn(1, 2, 1024, 64, device=cuda, dtype=torch.bfloat16)
+    picked = dense_kernel.find(attention._step(attention._dense, q, kv.clone().requires_grad_(), kv.clone().requires_grad_()), cuda)
+    assert picked.backend in dense_kernel.BACKEND_OF_OP.values() and picked.kernels[0], picked
+    mib = 2**20
+    own = machine.CallPeak(cuda)
+    call = own.wrap(lambda: torch.empty(64 * mib, dtype=torch.uint8, device=cuda).sum())
+    region = machine.PeakMemory(cuda)
+    with region.measure():
+        big = torch.empty(128 * mib, dtype=torch.uint8, device=cuda)
+        del big
+        own.start()
+        call()
+    assert 64 <= own.mib < 96 and 128 <= region.mib < 160

@@ -3,10 +3,18 @@
 The ideal speedup is what a kernel doing only the visible work would reach: visible
 (head, query, key) pairs of causal attention ÷ those of the pattern. The fraction of it that
 the measured speedup reaches tells how much the fast path loses to padding, copies and
-kernel launch overheads. The baseline is the one SDPA call the patterns' blocks make
-(``attn_patterns.kernels.sdpa``), causal over the whole sequence: on an H100 in bf16 torch runs
-its flash kernel there, with grouped K/V natively. Every backend's rows share it, so the
-backends compare with each other as well.
+kernel launch overheads; it equals the pattern's TFLOP/s over its own pairs ÷ the dense
+kernel's TFLOP/s (FLOPs as ``sparse_ft.bench.dense_kernel`` counts them).
+
+Method, per (N, H, D): the baseline is one causal SDPA call over the whole sequence (the call
+the patterns' blocks make, ``attn_patterns.kernels.sdpa``). One unpinned run of it under the
+profiler names the kernel SDPA picked; from then on the baseline and every pattern run under
+that one backend (``dense_kernel.DenseKernel.pin``), so neither side gets a kernel the other
+does not. Baseline and patterns then run round-robin (baseline, p1, p2, ..., baseline, p1, ...):
+``warmup`` rounds, ``repeats`` measured rounds, min and median of each, speedups from the
+medians and from the mins. Every backend's rows share the baseline, so backends compare with
+each other as well. A pattern whose piece the pinned backend cannot take, or that runs out of
+memory, gets a row saying so.
 """
 
 from __future__ import annotations
@@ -19,18 +27,24 @@ from tqdm import tqdm
 
 import attn_patterns
 from attn_patterns.kernels import sdpa
-from sparse_ft.bench.machine import DTYPES, cell, measure
+from sparse_ft.bench import dense_kernel
+from sparse_ft.bench.dense_kernel import DenseKernel
+from sparse_ft.bench.machine import DTYPES, cell, interleaved, ratio
 
 DEFAULT_PATTERNS = ("s2", "scca_fixed", "scca_flow", "sda", "longmixed")
 # FlexAttention compiles one kernel per (pattern, length, grad mode); a sweep needs more than
 # torch's default of 8 recompilations, past which it would silently run unfused.
 FLEX_RECOMPILES = 256
-# What the peak-memory columns measure (sparse_ft.bench.machine.PeakMemory), for the report.
+# What the peak-memory columns measure (sparse_ft.bench.machine.PeakMemory), for the report: the
+# measured step is the attention call's forward and backward, so this is the call's own peak.
 PEAK_MEMORY = {
-    "cuda": "growth of torch.cuda.max_memory_allocated over one forward+backward",
+    "cuda": "growth of torch.cuda.max_memory_allocated over one forward+backward of the attention call above its "
+    "inputs q, k, v (output, gradients of q, k, v, and the kernels' workspace)",
     "cpu": "growth of the process's resident-set high-water mark (VmHWM, reset through /proc/self/clear_refs) "
-    "over one forward+backward: includes allocator slack, excludes nothing torch allocates",
+    "over one forward+backward of the attention call above its inputs: includes allocator slack, excludes "
+    "nothing torch allocates",
 }
+DENSE = ("dense", "")  # the baseline's key among the interleaved runs; patterns are (backend, name)
 
 
 @dataclass
@@ -41,13 +55,22 @@ class Row:
     heads: int
     kv_heads: int
     head_dim: int
-    ms: Optional[float]  # None: out of memory
-    dense_ms: Optional[float]
-    speedup: Optional[float]
-    ideal: float
-    fraction_of_ideal: Optional[float]
-    peak_mib: Optional[float]
+    ms_min: Optional[float]  # None: failed, ``error`` says why
+    ms_median: Optional[float]
+    dense_ms_min: Optional[float]
+    dense_ms_median: Optional[float]
+    speedup: Optional[float]  # of the medians
+    speedup_min: Optional[float]  # of the mins
+    ideal: float  # causal pairs / pattern pairs
+    fraction_of_ideal: Optional[float]  # speedup / ideal
+    fraction_of_ideal_min: Optional[float]
+    tflops: Optional[float]  # the pattern's own pairs, forward+backward, at its median
+    dense_tflops: Optional[float]
+    dense_kernel: Optional[DenseKernel]  # None: the profiled dense call ran out of memory (nothing pinned)
+    peak_mib: Optional[float]  # PEAK_MEMORY
     dense_peak_mib: Optional[float]
+    error: Optional[str] = None
+    dense_error: Optional[str] = None
 
 
 def _step(attend, q, k, v):
@@ -60,7 +83,7 @@ def _step(attend, q, k, v):
 
 
 def _dense(q, k, v):
-    return sdpa(q, k, v, mask=None, causal=True)
+    return sdpa(q, k, v, causal=True)
 
 
 def run(
@@ -72,45 +95,66 @@ def run(
     device: str = "cpu",
     kv_heads: Optional[int] = None,
     warmup: int = 1,
-    repeats: int = 3,
+    repeats: int = 5,
     backends: Iterable[str] = ("sdpa",),
+    sdpa_backend: Optional[str] = None,
 ) -> Iterator[Row]:
+    """Rows of one (N, H, D) come together, after its last round (round-robin needs them all).
+    ``sdpa_backend`` (a key of ``dense_kernel.BACKENDS``) pins that backend instead of the one
+    SDPA picks."""
     dev = torch.device(device)
     configs = [(n, h, d) for n in lengths for h in heads for d in head_dims]
     patterns, backends = list(patterns), list(backends)
-    bar = tqdm(total=len(configs) * (len(patterns) * len(backends) + 1), desc="bench attention", unit="run")
-    for n, h, d in configs:
+    for n, h, d in tqdm(configs, desc="bench attention", unit="size"):
         hk = kv_heads or h
         gen = torch.Generator(device=dev).manual_seed(0)
         make = lambda heads_: torch.randn(1, heads_, n, d, generator=gen, device=dev, dtype=DTYPES[dtype], requires_grad=True)  # noqa: E731
         q, k, v = make(h), make(hk), make(hk)
-        dense_ms, dense_mib = measure(_step(_dense, q, k, v), dev, warmup, repeats) or (None, None)
-        bar.update()
+        kernel = dense_kernel.find(_step(_dense, q, k, v), dev, sdpa_backend)
+        pin = kernel.pin if kernel else (lambda fn: fn)
+        chosen = {(backend, name): attn_patterns.get(name, backend=backend) for backend in backends for name in patterns}
+        runs = {DENSE: pin(_step(_dense, q, k, v)),
+                **{key: pin(_step(pattern, q, k, v)) for key, pattern in chosen.items()}}
+        with torch._dynamo.config.patch(cache_size_limit=FLEX_RECOMPILES):
+            got = interleaved(runs, dev, warmup, repeats)
+        del q, k, v, runs  # the runs hold them too
         causal_pairs = attn_patterns.get("causal").visible_pairs(n, h)
-        for backend in backends:
-            for name in patterns:
-                pattern = attn_patterns.get(name, backend=backend)
-                with torch._dynamo.config.patch(cache_size_limit=FLEX_RECOMPILES):
-                    ms, mib = measure(_step(pattern, q, k, v), dev, warmup, repeats) or (None, None)
-                ideal = causal_pairs / pattern.visible_pairs(n, h)
-                speedup = dense_ms / ms if ms and dense_ms else None
-                bar.update()
-                yield Row(name, backend, n, h, hk, d, ms, dense_ms, speedup, ideal,
-                          None if speedup is None else speedup / ideal, mib, dense_mib)
-        del q, k, v
-    bar.close()
+        dense = got[DENSE]
+        dense_tflops = dense_kernel.tflops(causal_pairs, d, dense.median_ms, backward=True)
+        for (backend, name), pattern in chosen.items():
+            mine = got[(backend, name)]
+            pairs = pattern.visible_pairs(n, h)
+            ideal = causal_pairs / pairs
+            speedup, speedup_min = ratio(dense.median_ms, mine.median_ms), ratio(dense.min_ms, mine.min_ms)
+            yield Row(name, backend, n, h, hk, d, mine.min_ms, mine.median_ms, dense.min_ms, dense.median_ms,
+                      speedup, speedup_min, ideal, ratio(speedup, ideal), ratio(speedup_min, ideal),
+                      dense_kernel.tflops(pairs, d, mine.median_ms, backward=True), dense_tflops, kernel,
+                      mine.peak_mib, dense.peak_mib, mine.error, dense.error)
+
+
+def _failed(error: Optional[str]) -> str:
+    return "OOM" if error in (None, "OOM") else "no kernel"
 
 
 def markdown(rows: list[Row]) -> str:
+    """The table, then each distinct dense kernel with the names the profiler gave it."""
     lines = [
-        "| pattern | backend | N | H | Hkv | D | ms | dense ms | speedup | ideal | of ideal | peak MiB | dense peak MiB |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| pattern | backend | N | H | Hkv | D | ms min | ms median | dense ms min | dense ms median | speedup | "
+        "speedup (mins) | ideal | of ideal | TFLOP/s | dense kernel | dense TFLOP/s | fwd+bwd peak MiB | "
+        "dense fwd+bwd peak MiB |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
     ]
     for r in rows:
+        mine, dense = _failed(r.error), _failed(r.dense_error)
         lines.append(
-            f"| {r.pattern} | {r.backend} | {r.seq_len} | {r.heads} | {r.kv_heads} | {r.head_dim} | {cell(r.ms, '.1f')} | "
-            f"{cell(r.dense_ms, '.1f')} | {cell(r.speedup, '.2f', '–', '×')} | {r.ideal:.2f}× | "
-            f"{cell(r.fraction_of_ideal, '.2f', '–')} | {cell(r.peak_mib, '.0f')} | {cell(r.dense_peak_mib, '.0f')} |"
+            f"| {r.pattern} | {r.backend} | {r.seq_len} | {r.heads} | {r.kv_heads} | {r.head_dim} | "
+            f"{cell(r.ms_min, '.2f', mine)} | {cell(r.ms_median, '.2f', mine)} | {cell(r.dense_ms_min, '.2f', dense)} | "
+            f"{cell(r.dense_ms_median, '.2f', dense)} | {cell(r.speedup, '.2f', '–', '×')} | "
+            f"{cell(r.speedup_min, '.2f', '–', '×')} | {r.ideal:.2f}× | {cell(r.fraction_of_ideal, '.2f', '–')} | "
+            f"{cell(r.tflops, '.3g', '–')} | {r.dense_kernel.label if r.dense_kernel else 'not pinned'} | "
+            f"{cell(r.dense_tflops, '.3g', '–')} | {cell(r.peak_mib, '.0f', mine)} | {cell(r.dense_peak_mib, '.0f', dense)} |"
         )
-    return "\n".join(lines)
-
+    kernels = {r.dense_kernel: None for r in rows if r.dense_kernel}
+    notes = [f"- {k.label}: {k.backend}, {k.detail}" for k in kernels]
+    notes += [f"- {r.pattern} ({r.backend}) at N={r.seq_len}: {r.error}" for r in rows if r.error not in (None, "OOM")]
+    return "\n".join(lines + ([""] + notes if notes else []))

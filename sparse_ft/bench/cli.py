@@ -18,8 +18,14 @@ from sparse_ft.modeling.dtypes import SHORT_NAMES
 
 HELP = "benchmarks against the dense baseline"
 DTYPES = list(SHORT_NAMES)
-BACKENDS = ["sdpa", "flex", "flash"]
+# attn_patterns.kernels.BACKENDS for the help texts (a test checks they agree); a backend itself is
+# checked by the patterns' own resolve_backend.
+BACKENDS = "sdpa, flash, flex, triton"
 QUICK = dict(lengths="2048,4096", heads="8", head_dims="64", repeats=2)
+# dense_kernel.BACKENDS, named here so that building the parser loads no torch (a test checks they agree)
+SDPA_BACKENDS = ["flash", "cudnn", "efficient", "math", "overrideable"]
+# The repeats a min and a median need to be read: the default, and fewer is marked in the output.
+REPEATS = {"attention": 5, "dca": 5, "train": 3, "eval": 3}
 
 
 def _ints(text: str) -> list[int]:
@@ -32,16 +38,23 @@ def _ints(text: str) -> list[int]:
     return values
 
 
-def _common(p: argparse.ArgumentParser, lengths: str) -> None:
+def _common(p: argparse.ArgumentParser, lengths: str, repeats: int) -> None:
     """The flags every benchmark takes."""
     p.add_argument("--lengths", default=lengths, help="sequence lengths (comma list)")
     p.add_argument("--dtype", choices=DTYPES, default=None, help="default: bf16 on CUDA, fp32 on CPU")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    p.add_argument("--warmup", type=int, default=1, help="unmeasured runs first")
-    p.add_argument("--repeats", type=int, default=3, help="measured runs")
+    p.add_argument("--warmup", type=int, default=1, help="unmeasured rounds first")
+    p.add_argument("--repeats", type=int, default=repeats,
+                   help=f"measured rounds, min and median reported (default {repeats}; fewer is marked in the output)")
     p.add_argument("--output", type=Path, default=None,
                    help="write results as JSON here and a markdown table beside it (default: the table only)")
     p.add_argument("--overwrite", action="store_true", help="replace --output (and its .md) when they hold an earlier sparse-ft output")
+
+
+def _sdpa_backend(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sdpa-backend", choices=["auto", *SDPA_BACKENDS], default="auto",
+                   help="the SDPA kernel pinned for the baseline and the patterns alike (default auto: the one the "
+                        "profiler sees SDPA pick for a dense causal call)")
 
 
 def _model(p: argparse.ArgumentParser) -> None:
@@ -53,32 +66,34 @@ def _model(p: argparse.ArgumentParser) -> None:
 def configure(bench: argparse.ArgumentParser) -> None:
     which = bench.add_subparsers(dest="bench", required=True, metavar="KIND")
     p = which.add_parser("attention", help="forward+backward time and peak memory of each pattern vs dense causal SDPA")
-    _common(p, "2048,4096,8192,16384")
+    _common(p, "2048,4096,8192,16384", REPEATS["attention"])
     p.add_argument("--patterns", default="s2,scca_fixed,scca_flow,sda,longmixed", help="patterns (comma list)")
-    p.add_argument("--backends", default="sdpa", help=f"pattern backends, one row each (comma list of {', '.join(BACKENDS)})")
+    p.add_argument("--backends", default="sdpa", help=f"pattern backends, one row each (comma list of {BACKENDS})")
     p.add_argument("--heads", default="8", help="query heads (comma list)")
     p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default: as many as query heads)")
     p.add_argument("--head-dims", default="64", help="head dimensions (comma list)")
-    p.add_argument("--quick", action="store_true", help="N in {2k, 4k}, H=8, D=64, 2 repeats (overrides those flags): a quick CPU check")
+    _sdpa_backend(p)
+    p.add_argument("--quick", action="store_true", help="N in {2k, 4k}, H=8, D=64, 2 repeats (overrides those flags): a quick CPU check, marked as too few repeats")
     p.set_defaults(func=main)
     t = which.add_parser("train", help="tokens/s and peak memory of a LoRA+ training step per pattern vs full attention")
-    _common(t, "2048,4096,8192")
+    _common(t, "2048,4096,8192", REPEATS["train"])
     t.add_argument("--patterns", default="s2,scca_fixed,scca_flow,longmixed", help="patterns beside full attention (comma list)")
     _model(t)
     t.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=None,
                    help="default: on for the GPU models, 1b and 8b (as the recipes train), off for tiny")
-    t.add_argument("--backend", choices=BACKENDS, default=None, help="the patterns' backend, as attention.backend (default: sdpa)")
+    t.add_argument("--backend", default=None, help=f"the patterns' backend, as attention.backend: {BACKENDS} (default: sdpa)")
     t.set_defaults(func=main_train)
-    d = which.add_parser("dca", help="DCA prefill time and peak memory vs causal SDPA (its flash kernel on CUDA)")
-    _common(d, "4096,8192,16384,32768")
+    d = which.add_parser("dca", help="DCA prefill time and peak memory vs causal SDPA (pinned to the kernel SDPA picks)")
+    _common(d, "4096,8192,16384,32768", REPEATS["dca"])
     d.add_argument("--heads", type=int, default=8, help="query heads")
     d.add_argument("--kv-heads", type=int, default=2, help="key/value heads")
     d.add_argument("--head-dim", type=int, default=64, help="head dimension")
     d.add_argument("--pretraining-length", type=int, default=4096, help="c (Llama-2: 4096); s = 3c/4, w = c - s")
     d.add_argument("--longheads", action="store_true", help="also LongHeads on the same q, k, v (its throughput vs DCA's)")
+    _sdpa_backend(d)
     d.set_defaults(func=main_dca)
     e = which.add_parser("eval", help="sliding-window PPL tokens/s of a 4-bit NF4 model vs the same model unquantised")
-    _common(e, "8192")
+    _common(e, "8192", REPEATS["eval"])
     _model(e)
     e.set_defaults(func=main_eval)
 
@@ -108,6 +123,32 @@ def _setup(args: argparse.Namespace, name: str) -> tuple[Any, str, list[int]]:
     return device, dtype, lengths
 
 
+def _machine(device: Any, args: argparse.Namespace) -> dict:
+    """What every benchmark's JSON records of where and how it measured."""
+    from sparse_ft.bench.machine import describe, versions
+
+    return {"machine": describe(device), "device": str(device), "versions": versions(device),
+            "warmup": args.warmup, "repeats": args.repeats, "too_few_repeats": args.repeats < REPEATS[args.bench]}
+
+
+def _pinned(args: argparse.Namespace) -> str | None:
+    return None if args.sdpa_backend == "auto" else args.sdpa_backend
+
+
+def _kernel_note(args: argparse.Namespace) -> str:
+    if args.sdpa_backend == "auto":
+        return "the one the profiler saw SDPA pick for an unpinned dense causal call"
+    return f"{args.sdpa_backend}, as --sdpa-backend asked (its kernels named by the profiler)"
+
+
+def _rounds(args: argparse.Namespace) -> str:
+    """How the runs were measured, for a title, marking fewer repeats than a reader should trust."""
+    few = (f" (fewer than {REPEATS[args.bench]}: too few for a min and a median to be read)"
+           if args.repeats < REPEATS[args.bench] else "")
+    return (f"interleaved round-robin, min and median of {args.repeats} measured rounds{few} "
+            f"after {args.warmup} warm-up")
+
+
 def _check_output(output: Path, overwrite: bool, flag: str) -> None:
     """The JSON and the markdown beside it: new, or sparse-ft's own with ``--overwrite``."""
     from sparse_ft.files.outputs import check_output_file
@@ -125,25 +166,32 @@ def _names(text: str, flag: str) -> list[str]:
     return names
 
 
-def _backends(text: str, device: Any, dtype: str, flag: str) -> list[str]:
+def _backends(text: str, device: Any, dtype: str, flag: str, *, head_dim: int = 8) -> list[str]:
     """The backends of ``flag`` that can run a forward+backward here; the others fail now, before
-    anything is measured, rather than at their first row."""
-    from attn_patterns.kernels import flash_available
+    anything is measured, rather than at their first row. Which names exist and what each
+    needs is the patterns' own check (``attn_patterns.kernels.resolve_backend``), asked with a
+    tensor of this device, dtype and head dimension."""
+    import torch
+
+    from attn_patterns.kernels import resolve_backend
+    from sparse_ft.bench.machine import DTYPES as TORCH_DTYPES
 
     backends = [b for b in text.split(",") if b]
-    unknown = [b for b in backends if b not in BACKENDS]
-    if not backends or unknown:
-        raise ValueError(f"{flag}={text!r} is not a comma list of {', '.join(BACKENDS)}")
+    if not backends:
+        raise ValueError(f"{flag}={text!r} names no backend")
     if "flex" in backends and device.type != "cuda":
         raise ValueError(f"{flag} flex needs CUDA (torch has no FlexAttention backward on CPU)")
-    if "flash" in backends and not (device.type == "cuda" and dtype != "fp32" and flash_available()):
-        raise ValueError(f"{flag} flash needs the flash-attn package, CUDA and --dtype bf16 or fp16")
+    probe = torch.empty(1, 1, 1, head_dim, device=device, dtype=TORCH_DTYPES[dtype])
+    for backend in backends:
+        try:
+            resolve_backend(backend, probe)
+        except ValueError as err:
+            raise ValueError(f"{flag} {backend}: {err}") from None
     return backends
 
 
 def main(args: argparse.Namespace) -> int:
-    from sparse_ft.bench import attention
-    from sparse_ft.bench.machine import describe
+    from sparse_ft.bench import attention, dense_kernel
 
     if args.quick:
         for key, value in QUICK.items():
@@ -154,7 +202,7 @@ def main(args: argparse.Namespace) -> int:
     except argparse.ArgumentTypeError as err:
         raise ValueError(f"bench attention: {err}") from None
     patterns = _names(args.patterns, "bench attention: --patterns")
-    backends = _backends(args.backends, device, dtype, "bench attention: --backends")
+    backends = _backends(args.backends, device, dtype, "bench attention: --backends", head_dim=max(dims))
     import attn_patterns
 
     for h in heads:  # bad names and head counts fail before any measurement
@@ -162,67 +210,76 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError(f"bench attention: --kv-heads={args.kv_heads} must divide every --heads value (got {h})")
         for name in patterns:
             attn_patterns.get(name).check_heads(h)
-    machine = describe(device)
+    machine = _machine(device, args)
     memory = attention.PEAK_MEMORY.get(device.type, "not measured")
-    title = (f"forward+backward, batch 1, {dtype}, median of {args.repeats} after {args.warmup} warm-up, "
-             f"on {machine}; peak memory: {memory}")
+    flops = (f"{dense_kernel.FORWARD_FLOPS_PER_PAIR}·pairs·D forward, {1 + dense_kernel.BACKWARD_FACTOR:g}× that "
+             f"forward+backward")
+    title = (f"forward+backward, batch 1, {dtype}, dense causal SDPA and the patterns {_rounds(args)}, on "
+             f"{machine['machine']}. Dense kernel: {_kernel_note(args)}, pinned (sdpa_kernel) for the baseline and every "
+             f"pattern's SDPA calls alike. Speedup: of the medians (and of the "
+             f"mins); of ideal: speedup ÷ (causal pairs ÷ pattern pairs) = TFLOP/s ÷ dense TFLOP/s, each over its "
+             f"own pairs at its median ({flops}). Peak memory: {memory}")
     rows = attention.run(lengths, heads, dims, patterns, dtype=dtype, device=str(device), kv_heads=args.kv_heads,
-                         warmup=args.warmup, repeats=args.repeats,
-                         backends=backends)
+                         warmup=args.warmup, repeats=args.repeats, backends=backends, sdpa_backend=_pinned(args))
     return _sweep(args, title, rows, attention.markdown,
-                  payload={"machine": machine, "device": str(device), "dtype": dtype, "warmup": args.warmup,
-                   "repeats": args.repeats, "peak_memory": memory})
+                  payload={**machine, "dtype": dtype, "sdpa_backend": args.sdpa_backend, "peak_memory": memory,
+                           "flops": flops})
 
 
 def main_train(args: argparse.Namespace) -> int:
     from sparse_ft.bench import models, train_step
-    from sparse_ft.bench.machine import describe
 
     device, dtype, lengths = _setup(args, "train")
     patterns = _names(args.patterns, "bench train: --patterns")
     if args.backend is not None:
+        if "," in args.backend:
+            raise ValueError(f"bench train: --backend={args.backend!r} names one backend (the patterns' attention.backend)")
         _backends(args.backend, device, dtype, "bench train: --backend")
     train_step.trained_methods(patterns, args.backend, dtype)  # the names and backend a recipe takes
     checkpointing = args.model != "tiny" if args.gradient_checkpointing is None else args.gradient_checkpointing
-    machine = describe(device)
+    machine = _machine(device, args)
+    memory = train_step.PEAK_MEMORY
     title = (f"training step (forward+backward, LoRA+ as the recipes train, gradient checkpointing "
              f"{'on' if checkpointing else 'off'}, batch 1, {dtype}, patterns on {args.backend or 'sdpa'}, full attention "
-             f"the model's own; "
-             f"{models.describe(args.model)}), median of {args.repeats} after {args.warmup} warm-up, on {machine}")
+             f"the model's own; {models.describe(args.model)}), full attention, attention replaced by a no-op and the "
+             f"patterns {_rounds(args)}, on {machine['machine']}. Speedup: of the medians (and of the mins). Attention "
+             f"share a = 1 − no-op step ÷ full step (medians); Amdahl bound = 1 / ((1 − a) + a / ideal), ideal = causal "
+             f"pairs ÷ pattern pairs; of bound = speedup ÷ bound. Step peak: {memory['step']}. Attention peak: "
+             f"{memory['attention']}")
     rows = train_step.run(lengths, patterns, str(device), dtype, warmup=args.warmup, repeats=args.repeats,
                           model=args.model, gradient_checkpointing=checkpointing,
                           backend=args.backend)
     return _sweep(args, title, rows, train_step.markdown,
-                  payload={"machine": machine, "device": str(device), "dtype": dtype, "model": args.model,
+                  payload={**machine, "dtype": dtype, "model": args.model,
                    "model_config": models.MODELS[args.model], "gradient_checkpointing": checkpointing,
-                   "backend": args.backend, "warmup": args.warmup, "repeats": args.repeats})
+                   "backend": args.backend, "peak_memory": memory})
 
 
 def main_dca(args: argparse.Namespace) -> int:
     from attn_patterns.dca import resolve
     from sparse_ft.bench import dca
-    from sparse_ft.bench.machine import describe
 
     device, dtype, lengths = _setup(args, "dca")
     if min(args.heads, args.kv_heads, args.head_dim) < 1 or args.heads % args.kv_heads or args.head_dim % 2:
         raise ValueError(f"bench dca: --heads={args.heads} must be a multiple of --kv-heads={args.kv_heads} and "
                          f"--head-dim={args.head_dim} a positive even number")
     s, w, c = resolve(args.pretraining_length)
-    machine = describe(device)
-    title = (f"DCA prefill vs causal SDPA{' (flash kernel)' if device.type == 'cuda' else ''}, {dtype}, "
-             f"H={args.heads}/{args.kv_heads}, D={args.head_dim}, c={c}, s={s}, w={w}, fastest of {args.repeats} "
-             f"alternating runs after {args.warmup} warm-up, on {machine}")
+    machine = _machine(device, args)
+    memory = dca.PEAK_MEMORY.get(device.type, "not measured")
+    title = (f"DCA prefill vs causal SDPA, {dtype}, H={args.heads}/{args.kv_heads}, D={args.head_dim}, c={c}, s={s}, "
+             f"w={w}, {_rounds(args)}, on {machine['machine']}. SDPA kernel: {_kernel_note(args)}, pinned for the "
+             f"baseline, DCA and LongHeads alike (DCA's fused ops, named below, are called directly). Ratios of the medians (and of the mins); TFLOP/s: 4·pairs·D over the causal pairs at the median. "
+             f"Peak memory: {memory}")
     rows = dca.run(lengths, args.heads, args.kv_heads, args.head_dim, pretraining_length=c, longheads=args.longheads, dtype=dtype,
-                   device=str(device), warmup=args.warmup, repeats=args.repeats)
+                   device=str(device), warmup=args.warmup, repeats=args.repeats, sdpa_backend=_pinned(args))
     return _sweep(args, title, rows, dca.markdown,
-                  payload={"machine": machine, "device": str(device), "dtype": dtype, "heads": args.heads,
+                  payload={**machine, "dtype": dtype, "heads": args.heads,
                    "kv_heads": args.kv_heads, "head_dim": args.head_dim, "pretraining_length": c, "longheads": args.longheads,
-                   "warmup": args.warmup, "repeats": args.repeats})
+                   "sdpa_backend": args.sdpa_backend, "peak_memory": memory})
 
 
 def main_eval(args: argparse.Namespace) -> int:
     from sparse_ft.bench import eval_throughput, models
-    from sparse_ft.bench.machine import describe
     from sparse_ft.evaluation import windows
 
     device, dtype, lengths = _setup(args, "eval")
@@ -230,14 +287,13 @@ def main_eval(args: argparse.Namespace) -> int:
         windows.check(lengths, stride=1)
     except ValueError as err:
         raise ValueError(f"bench eval: {err}") from None
-    machine = describe(device)
+    machine = _machine(device, args)
     title = (f"sliding-window PPL throughput, one window per run, NF4 (double quantisation, {dtype} compute) vs "
              f"{dtype}, {models.describe(args.model)}, random weights, fastest of {args.repeats} alternating runs "
-             f"after {args.warmup} warm-up, on {machine}")
+             f"after {args.warmup} warm-up, on {machine['machine']}")
     rows = eval_throughput.run(lengths, args.model, dtype, str(device), warmup=args.warmup, repeats=args.repeats)
     return _sweep(args, title, rows, lambda r: eval_throughput.markdown(r, dtype),
-                  payload={"machine": machine, "device": str(device), "dtype": dtype, "model": args.model,
-                   "model_config": models.MODELS[args.model], "warmup": args.warmup, "repeats": args.repeats})
+                  payload={**machine, "dtype": dtype, "model": args.model, "model_config": models.MODELS[args.model]})
 
 
 def _sweep(args: argparse.Namespace, title: str, rows: Iterable[Any], table: Callable[[list], str], *,
@@ -255,13 +311,19 @@ def _sweep(args: argparse.Namespace, title: str, rows: Iterable[Any], table: Cal
     return 0
 
 
+def _plain(value: Any) -> Any:
+    """JSON for a row or a field that is a dataclass (a row, the dense kernel it was measured against)."""
+    if is_dataclass(value) and not isinstance(value, type):
+        return asdict(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
+
+
 def _write(output: Path | None, title: str, command: str | None, table: str, *, payload: dict, rows: list) -> None:
     if output is None:
         return
     output.parent.mkdir(parents=True, exist_ok=True)
-    results = [asdict(r) if is_dataclass(r) else r for r in rows]
     with atomic_file(output) as f:
-        f.write(json.dumps({**payload, "command": command, "results": results}, indent=2) + "\n")
+        f.write(json.dumps({**payload, "command": command, "results": rows}, indent=2, default=_plain) + "\n")
     made = f"Command: `{command}`\n\n" if command else ""
     with atomic_file(output.with_suffix(".md")) as f:
         f.write(f"{title}\n\n{made}{table}\n\n{markdown_marker(payload[OUTPUT_FIELD])}\n")

@@ -58,7 +58,7 @@ def run(lengths: Iterable[int], model: str = "tiny", dtype: str = "fp32", device
         got = interleaved({kind: window(kind) for kind in KINDS}, dev, warmup, repeats)
         row: dict = {"seq_len": n, "nf4_unquantised_layers": kept}
         for kind in KINDS:
-            ms, mib = got[kind] or (None, None)
+            ms, mib = got[kind].min_ms, got[kind].peak_mib
             row.update({f"{kind}_tokens_per_s": n / ms * 1e3 if ms else None, f"{kind}_peak_mib": mib,
                         f"{kind}_weights_mib": loaded[kind].get_memory_footprint() / 2**20, f"{kind}_ppl": ppl.get(kind)})
         a, b = row["nf4_tokens_per_s"], row["unquantised_tokens_per_s"]

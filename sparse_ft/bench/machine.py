@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import gc
 import platform
 import re
 import statistics
 import time
 from contextlib import contextmanager
-from typing import Callable, Iterator, Optional
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Callable, Hashable, Iterator, Optional
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -20,17 +23,35 @@ from sparse_ft.modeling.dtypes import torch_dtype
 DTYPES = {short: torch_dtype(name) for short, name in DTYPE_NAMES.items()}
 
 
-def describe(device: torch.device) -> str:
-    if device.type == "cuda":
-        return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
+def _cpu_name() -> str:
     cpu = platform.processor() or "cpu"
     try:
         with open("/proc/cpuinfo") as f:
             found = re.search(r"model name\s*:\s*(.+)", f.read())
-            cpu = found.group(1).strip() if found else cpu
+            return found.group(1).strip() if found else cpu
     except OSError:
-        pass
-    return f"{cpu}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
+        return cpu
+
+
+def describe(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
+    return f"{_cpu_name()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
+
+
+def versions(device: torch.device) -> dict[str, object]:
+    """What a number depends on besides this code, for every benchmark's JSON: the kernels SDPA
+    and Triton can pick change with torch, Triton, CUDA and cuDNN, and their speed with the GPU.
+    None where this machine has none (CUDA, cuDNN and GPU on a CPU-only torch)."""
+    try:
+        triton: Optional[str] = metadata.version("triton")
+    except metadata.PackageNotFoundError:
+        triton = None
+    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    return {"python": platform.python_version(), "torch": torch.__version__, "triton": triton,
+            "cuda": torch.version.cuda, "cudnn": None if cudnn is None else str(cudnn),
+            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+            "cpu": _cpu_name(), "torch_threads": torch.get_num_threads()}
 
 
 def _rss_kib(field: str) -> int:
@@ -54,23 +75,34 @@ def held_bytes(device: torch.device) -> int:
 
 def allocated(fn: Callable[[], object]) -> tuple[object, int, int]:
     """``fn()``, the peak growth and the net growth of the bytes torch's CPU allocator holds
-    while it runs: the profiler's memory events (allocations attributed to the op that made
-    them, frees outside ops as ``[memory]`` events) summed in time order. Transients allocated
-    and freed inside one op are not seen."""
+    while it runs: every allocation and free the profiler records (its ``[memory]`` events,
+    each with its own time), summed in time order. Not the per-op sums ``prof.events()``
+    gives: they date an op's frees at its start, so the inputs a backward op frees counted as
+    gone before the outputs it makes; the tiny model's step at 4k tokens read 21.5 MiB that
+    way against 25.5 MiB allocated (docs/memory.md)."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         result = fn()
     held = peak = 0
-    for _, change in sorted((e.time_range.start, e.self_cpu_memory_usage) for e in prof.events()
-                            if e.self_cpu_memory_usage):
+    for _, change in sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                            if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU):
         held += change
         peak = max(peak, held)
     return result, peak, held
 
 
+class _HighWater:
+    """The highest CUDA allocator peak read just before a reset inside the region PeakMemory
+    measures (:class:`CallPeak` resets the counter to see one call's own peak), folded back
+    into the region's peak."""
+
+    bytes = 0
+
+
 class PeakMemory:
-    """Peak memory growth of one measured region, in MiB. CUDA: the allocator's peak. CPU
-    (Linux): the process's resident high-water mark, reset through /proc/self/clear_refs
-    after returning freed heap to the OS, minus the resident size before."""
+    """Peak memory growth of one measured region, in MiB. CUDA: the allocator's peak (resets
+    by :class:`CallPeak` inside the region folded back in). CPU (Linux): the process's resident
+    high-water mark, reset through /proc/self/clear_refs after returning freed heap to the OS,
+    minus the resident size before."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -81,10 +113,11 @@ class PeakMemory:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
+            _HighWater.bytes = 0
             before = torch.cuda.memory_allocated(self.device)
             yield self
             torch.cuda.synchronize(self.device)
-            self.mib = (torch.cuda.max_memory_allocated(self.device) - before) / 2**20
+            self.mib = (max(torch.cuda.max_memory_allocated(self.device), _HighWater.bytes) - before) / 2**20
             return
         try:
             ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -96,6 +129,39 @@ class PeakMemory:
             return
         yield self
         self.mib = (_rss_kib("VmHWM") - before) / 1024
+
+
+class CallPeak:
+    """A function's own peak: the most any call of the wrapped function allocated above what
+    was allocated when that call began, in MiB, the largest since :meth:`start` (CUDA only: the
+    CPU's resident high-water mark is process-wide and costs a system call to reset, so
+    ``mib`` stays None there). The CUDA allocator keeps its counters on the host, so reading
+    and resetting them per call needs no synchronisation; a :class:`PeakMemory` region around
+    the calls keeps its own peak (the resets are folded back)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.mib: Optional[float] = None
+
+    def start(self) -> None:
+        self.mib = 0.0 if self.device.type == "cuda" else None
+
+    def wrap(self, fn: Callable) -> Callable:
+        if self.device.type != "cuda":
+            return fn
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            _HighWater.bytes = max(_HighWater.bytes, torch.cuda.max_memory_allocated(self.device))
+            torch.cuda.reset_peak_memory_stats(self.device)
+            before = torch.cuda.memory_allocated(self.device)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                own = (torch.cuda.max_memory_allocated(self.device) - before) / 2**20
+                self.mib = max(self.mib or 0.0, own)
+
+        return call
 
 
 def _sync(device: torch.device) -> None:
@@ -138,23 +204,50 @@ def measure(fn: Callable[[], object], device: torch.device, warmup: int, repeats
         return None
 
 
-def interleaved(fns: dict[str, Callable[[], object]], device: torch.device, warmup: int,
-                repeats: int) -> dict[str, Optional[tuple[float, float]]]:
-    """Fastest of ``repeats`` alternating runs of each function (a shared machine slows runs,
-    never speeds them up, so the minimum is the least disturbed one and alternation exposes
-    all to the same load), and the peak memory growth (MiB) of one more run of each. A
-    function that runs out of memory gets None and drops out; the others go on."""
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    results: dict[str, Optional[tuple[float, float]]] = {name: None for name in fns}
+class Unrunnable(Exception):
+    """A run that cannot run here (a piece no kernel of the pinned backend takes): dropped from
+    the measurement like one out of memory, its message recorded as the reason."""
+
+
+@dataclass
+class Timing:
+    """Milliseconds of the measured runs and the peak memory growth (MiB) of one more; all None
+    when the function failed, ``error`` saying why (``OOM``, or an :class:`Unrunnable`'s
+    message)."""
+
+    min_ms: Optional[float] = None
+    median_ms: Optional[float] = None
+    peak_mib: Optional[float] = None
+    error: Optional[str] = None
+
+
+def ratio(num: Optional[float], den: Optional[float]) -> Optional[float]:
+    """``num / den``, None where either is missing (a failed measurement)."""
+    return num / den if num and den else None
+
+
+def interleaved(fns: dict[Hashable, Callable[[], object]], device: torch.device, warmup: int,
+                repeats: int) -> dict[Hashable, Timing]:
+    """``repeats`` rounds in which every function runs once, in order (baseline, p1, p2, ...,
+    baseline, p1, ...), after ``warmup`` such rounds, then one more run of each for its peak
+    memory growth. Round-robin exposes all to the same drift of a shared or heating machine;
+    the minimum is the least disturbed run (load slows runs, never speeds them up) and the
+    median the typical one. A function that runs out of memory or is :class:`Unrunnable`
+    drops out with its reason; the others go on."""
+    times: dict[Hashable, list[float]] = {name: [] for name in fns}
+    results = {name: Timing() for name in fns}
     alive = dict(fns)
 
-    def attempt(name: str, run: Callable[[], object]) -> object:
+    def attempt(name: Hashable, run: Callable[[], object]) -> object:
         try:
             return run()
         except torch.cuda.OutOfMemoryError:
-            alive.pop(name)
-            _free(device)
-            return None
+            results[name].error = "OOM"
+        except Unrunnable as err:
+            results[name].error = str(err)
+        alive.pop(name)
+        _free(device)
+        return None
 
     for _ in range(warmup):
         for name, fn in list(alive.items()):
@@ -167,8 +260,9 @@ def interleaved(fns: dict[str, Callable[[], object]], device: torch.device, warm
     for name, fn in list(alive.items()):
         mib = attempt(name, lambda: _peak(fn, device))  # noqa: B023 (called at once)
         if mib is not None:
-            results[name] = (min(times[name]), mib)
+            results[name] = Timing(min(times[name]), statistics.median(times[name]), mib)
     return results
+
 
 def cell(value: Optional[float], fmt: str, missing: str = "OOM", suffix: str = "") -> str:
     """A table cell of a measurement: ``OOM`` where :func:`measure` gave none, ``–`` for a

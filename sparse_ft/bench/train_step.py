@@ -4,34 +4,91 @@ LoRA+ from the recipe defaults (r=8 on q/k/v/o, embeddings and norms trainable) 
 ``sparse_ft.train.model_setup.add_adapters``, optionally with gradient checkpointing.
 
 A step is forward + backward (the optimizer update of the adapters costs the same for every
-pattern). A size that runs out of GPU memory is recorded as OOM and the sweep goes on."""
+pattern). Full attention, attention replaced by a no-op, and each pattern run round-robin,
+min and median of ``repeats``. A size that runs out of GPU memory is recorded as OOM and the
+sweep goes on.
+
+How much a pattern can speed the step up is bounded by attention's share ``a`` of the full-
+attention step (Amdahl): a pattern at its ideal (causal pairs ÷ its pairs) gives at most
+``1 / ((1 − a) + a / ideal)``, and each row prints its measured speedup's fraction of that bound.
+``a = 1 − t(no-op) / t(full)``, timing the step with attention replaced by :class:`NoAttention`
+(same output shape, q, k and v kept in the graph). We measure it so rather than summing the
+attention kernels of a profiled step because (1) it times the real step, without the
+profiler's overhead, which inflates short kernels and launch gaps unevenly; (2) it charges
+attention with all it costs: K/V expansion for GQA, layout copies, its recomputation under
+gradient checkpointing, launch gaps a kernel filter does not see; (3) it is exactly what the
+bound asks, the step's time if attention were free; (4) it means the same on a CPU and a GPU.
+"""
 
 from __future__ import annotations
 
+import functools
+import math
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 from tqdm import tqdm
 
+import attn_patterns
 from sparse_ft import methods
-from sparse_ft.modeling.attention import use_attention
+from sparse_ft.modeling.attention import IMPLEMENTATION, pretrained, use_attention
 from sparse_ft.bench import models
-from sparse_ft.bench.machine import DTYPE_NAMES, DTYPES, cell, measure
+from sparse_ft.bench.machine import DTYPE_NAMES, DTYPES, CallPeak, Timing, cell, interleaved, ratio
 from sparse_ft.config import LoraSection
 from sparse_ft.train.model_setup import add_adapters
+
+NO_ATTENTION = "no attention"
+# What the two memory columns measure, for the report.
+PEAK_MEMORY = {
+    "step": "peak allocated during the whole step (forward+backward) above the model's weights: activations, "
+            "gradients, workspace (CUDA: torch.cuda.max_memory_allocated; CPU: resident high-water mark, VmHWM)",
+    "attention": "the attention call's own peak above what was allocated when it began, the largest over the "
+                 "step's calls (every layer, and recomputation under gradient checkpointing); CUDA only, n/a on CPU",
+}
 
 
 @dataclass
 class StepRow:
     pattern: str
     seq_len: int
-    ms: Optional[float]  # None: out of memory
-    tokens_per_s: Optional[float]
+    ms_min: Optional[float]  # None: failed (out of memory), ``error`` says so
+    ms_median: Optional[float]
+    tokens_per_s: Optional[float]  # at the median
     full_tokens_per_s: Optional[float]
-    speedup: Optional[float]
-    peak_mib: Optional[float]
-    full_peak_mib: Optional[float]
+    speedup: Optional[float]  # of the medians
+    speedup_min: Optional[float]  # of the mins
+    ideal: Optional[float]  # causal pairs / pattern pairs (None for no attention: unbounded)
+    attention_share: Optional[float]  # a, of the full-attention step at this length
+    amdahl_bound: Optional[float]
+    fraction_of_bound: Optional[float]
+    step_peak_mib: Optional[float]  # PEAK_MEMORY["step"]
+    attention_peak_mib: Optional[float]  # PEAK_MEMORY["attention"]
+    error: Optional[str] = None
+
+
+class NoAttention:
+    """Attention replaced by a no-op of equal shapes: the output is the query (as transformers
+    lays an attention output out), with key and value added in times zero so that their
+    projections' backward runs as under real attention. O(N·H·D) work, no scores."""
+
+    name = NO_ATTENTION
+    replaces_attention = True
+
+    def check_model(self, config: Any) -> None:
+        """Any model takes it: it computes nothing."""
+
+    def __call__(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attention_mask: Optional[torch.Tensor], **kwargs: Any) -> tuple[torch.Tensor, None]:
+        tied = (key.sum() + value.sum()) * 0
+        return (query + tied).transpose(1, 2).contiguous(), None
+
+
+def amdahl_bound(share: float, ideal: float) -> float:
+    """The most a step can speed up when attention, ``share`` of it, runs ``ideal`` times
+    faster: 1 / ((1 − a) + a / ideal). ``ideal = inf``: attention free."""
+    return 1 / ((1 - share) + share / ideal)
 
 
 def trained_methods(patterns: Iterable[str], backend: Optional[str], dtype: str) -> dict[str, methods.Method]:
@@ -45,49 +102,84 @@ def trained_methods(patterns: Iterable[str], backend: Optional[str], dtype: str)
     return chosen
 
 
+def _registered(name: str, *args: Any, **kwargs: Any) -> Any:
+    from transformers import AttentionInterface
+
+    return AttentionInterface()[name](*args, **kwargs)  # a fresh interface: the registered function
+
+
+@contextmanager
+def _attention_through(net: torch.nn.Module, wrap: Callable[[Callable], Callable]) -> Iterator[None]:
+    """Every attention call of ``net`` through ``wrap``: its own implementation (full attention)
+    and the one sparse_ft installs, overridden where transformers looks them up per call."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    names = [name for name in (pretrained(net).config._attn_implementation, IMPLEMENTATION) if name != "eager"]
+    for name in names:
+        ALL_ATTENTION_FUNCTIONS[name] = wrap(functools.partial(_registered, name))
+    try:
+        yield
+    finally:
+        for name in names:
+            del ALL_ATTENTION_FUNCTIONS[name]
+
+
 def run(lengths: Iterable[int], patterns: Iterable[str], device: str = "cpu", dtype: str = "fp32",
         *, warmup: int = 1, repeats: int = 3, model: str = "tiny", gradient_checkpointing: bool = False,
         backend: Optional[str] = None) -> Iterator[StepRow]:
+    """Rows of one length come together, after its last round (round-robin needs them all)."""
     dev = torch.device(device)
     lengths = list(lengths)
     chosen = trained_methods(patterns, backend, dtype)
     net = models.build(model, max(lengths), dev, DTYPES[dtype])
     net = add_adapters(net, LoraSection(), chosen["full"], gradient_checkpointing).train()
-    vocab = models.vocab_size(model)
-    bar = tqdm(total=len(lengths) * len(chosen), desc="bench train", unit="run")
-    for n in lengths:
-        ids = torch.randint(0, vocab, (1, n), device=dev, generator=torch.Generator(device=dev).manual_seed(n))
+    vocab, heads = models.vocab_size(model), models.config(model, max(lengths)).num_attention_heads
+    runs = {"full": chosen.pop("full"), NO_ATTENTION: NoAttention(), **chosen}
+    causal = attn_patterns.get("causal")
+    own = CallPeak(dev)
+    with _attention_through(net, own.wrap):
+        for n in tqdm(lengths, desc="bench train", unit="length"):
+            ids = torch.randint(0, vocab, (1, n), device=dev, generator=torch.Generator(device=dev).manual_seed(n))
+            own_peaks: dict[str, Optional[float]] = {}
 
-        def step():
-            net.zero_grad(set_to_none=True)
-            net(input_ids=ids, labels=ids).loss.backward()
+            def step(name: str, method) -> Callable[[], None]:
+                def run_step() -> None:
+                    use_attention(net, method)
+                    own.start()
+                    net(input_ids=ids, labels=ids).loss.backward()
+                    net.zero_grad(set_to_none=True)  # every run starts with the same memory held
+                    own_peaks[name] = own.mib  # the last run of each is its peak-memory run
 
-        full = None
-        for name, method in chosen.items():
-            use_attention(net, method)
-            measured = measure(step, dev, warmup, repeats)
-            net.zero_grad(set_to_none=True)
-            if name == "full":
-                full = measured
-            bar.update()
-            yield _row(name, n, measured, full)
-    bar.close()
+                return run_step
+
+            got = interleaved({name: step(name, method) for name, method in runs.items()}, dev, warmup, repeats)
+            full, free = got["full"], got[NO_ATTENTION]
+            share = None if ratio(free.median_ms, full.median_ms) is None else 1 - free.median_ms / full.median_ms
+            for name, method in runs.items():
+                ideal = (1.0 if name == "full" else None if name == NO_ATTENTION
+                         else causal.visible_pairs(n, heads) / method.pattern.visible_pairs(n, heads))
+                yield _row(name, n, got[name], full, share=share, ideal=ideal, attention_mib=own_peaks.get(name))
 
 
-def _row(name: str, n: int, measured: Optional[tuple[float, float]], full: Optional[tuple[float, float]]) -> StepRow:
-    ms, mib = measured or (None, None)
-    full_ms, full_mib = full or (None, None)
+def _row(name: str, n: int, mine: Timing, full: Timing, *, share: Optional[float], ideal: Optional[float],
+         attention_mib: Optional[float]) -> StepRow:
     per_s = lambda t: None if t is None else n / t * 1e3  # noqa: E731
-    speedup = full_ms / ms if ms and full_ms else None
-    return StepRow(name, n, ms, per_s(ms), per_s(full_ms), speedup, mib, full_mib)
+    speedup = ratio(full.median_ms, mine.median_ms)
+    bound = None if share is None else amdahl_bound(share, math.inf if ideal is None else ideal)
+    return StepRow(name, n, mine.min_ms, mine.median_ms, per_s(mine.median_ms), per_s(full.median_ms), speedup,
+                   ratio(full.min_ms, mine.min_ms), ideal, share, bound, ratio(speedup, bound), mine.peak_mib,
+                   attention_mib if mine.error is None else None, mine.error)
 
 
 def markdown(rows: list[StepRow]) -> str:
-    lines = ["| pattern | N | ms/step | tokens/s | full tokens/s | speedup | peak MiB | full peak MiB |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| pattern | N | ms min | ms median | tokens/s | full tokens/s | speedup | speedup (mins) | ideal | "
+             "attention share | Amdahl bound | of bound | step peak MiB | attention peak MiB |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r.pattern} | {r.seq_len} | {cell(r.ms, '.0f')} | {cell(r.tokens_per_s, '.0f')} | "
-                     f"{cell(r.full_tokens_per_s, '.0f')} | {cell(r.speedup, '.2f', '–', '×')} | {cell(r.peak_mib, '.0f')} | "
-                     f"{cell(r.full_peak_mib, '.0f')} |")
+        lines.append(f"| {r.pattern} | {r.seq_len} | {cell(r.ms_min, '.0f')} | {cell(r.ms_median, '.0f')} | "
+                     f"{cell(r.tokens_per_s, '.0f')} | {cell(r.full_tokens_per_s, '.0f')} | "
+                     f"{cell(r.speedup, '.2f', '–', '×')} | {cell(r.speedup_min, '.2f', '–', '×')} | "
+                     f"{cell(r.ideal, '.2f', '∞', '×')} | {cell(r.attention_share, '.2f', '–')} | "
+                     f"{cell(r.amdahl_bound, '.2f', '–', '×')} | {cell(r.fraction_of_bound, '.2f', '–')} | "
+                     f"{cell(r.step_peak_mib, '.0f')} | {cell(r.attention_peak_mib, '.0f', 'n/a' if r.error is None else 'OOM')} |")
     return "\n".join(lines)
-
