@@ -62,7 +62,8 @@ def setup_for(model: str, layers: int, pattern: str, feature: str, *, dtype: str
     keys = {"mlp_tile_tokens": 0, "offload_activations": False, "loss": "chunked", **FEATURES[feature]}
     if device == "cpu":  # offloading to the CPU from the CPU keeps the tensor itself
         keys["offload_activations"] = False
-    return Setup(shape=shape, dtype=dtype, pattern=pattern, chunks=4, **keys)
+    params = {} if pattern == "full" else {"chunks": 4}
+    return Setup(shape=shape, dtype=dtype, pattern=pattern, pattern_params=params, **keys)
 
 
 def predicted(setup, n: int) -> tuple[float, float]:

@@ -50,10 +50,13 @@ def test_trainable_count_is_peft_s():
 
 
 def test_sparse_patterns_grow_linearly_and_the_math_kernel_does_not():
-    for pattern in ("scca_flow", "s2", "longmixed", "sda", "full"):
+    """With fused kernels every candidate for the peak is linear in N (the peak, their
+    maximum, is so piecewise); the math kernel's scores are not."""
+    for pattern in ("scca_flow", "s2", "longmixed", "sda", "causal", "full"):
         setup = Setup(shape=LLAMA3, pattern=pattern, offload_activations=True, mlp_tile_tokens=8192)
-        a, b, c = (memory.peak(setup, n) for n in (65536, 131072, 196608))
-        assert b - a == pytest.approx(c - b, rel=1e-9), pattern
+        for phase in memory.phases(setup, 8192):
+            a, b, c = (sum(memory.phases(setup, n)[phase].values()) for n in (65536, 131072, 196608))
+            assert b - a == pytest.approx(c - b, rel=1e-9), (pattern, phase)
     math = Setup(shape=LLAMA3, pattern="full", kernel="math")
     a, b, c = (memory.peak(math, n) for n in (65536, 131072, 196608))
     assert c - b > 1.5 * (b - a)
@@ -95,8 +98,23 @@ def test_plan_command_writes_json_and_markdown(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv, words", [
     (["--gpu-memory", "80 bananas"], "--gpu-memory '80 bananas' must be a positive size"),
+    (["--gpu-memory", "80"], "--gpu-memory '80' must be a positive size with a unit, such as 80GiB, 141GB or 24GiB "
+                             "(units: b, kib, mib, gib, tib, kb, mb, gb, tb)"),
+    (["--gpu-memory", ","], "--gpu-memory ',' must list at least one size"),
     (["--sp", "0"], "--sp='0' must be a comma list of positive integers"),
     (["--sp", "2", "--gpus", "3"], "--gpus=3 must be a multiple of every --sp"),
+    (["--gpus", "0"], "--gpus=0 must be a positive number of GPUs"),
+    (["--sp", "3"], "--sp 3 is invalid: must divide the model's num_attention_heads=8"),
+    (["--sp", "1000000"], "--sp 1000000 is invalid: must divide the model's num_attention_heads=8"),
+    (["--sp", "16", "--gpus", "16"], "--sp 16 is invalid: must divide the model's num_attention_heads=8"),
+    (["--patterns", ""], "--patterns '' must list at least one pattern"),
+    (["--patterns", ","], "--patterns ',' must list at least one pattern"),
+    (["--patterns", "bogus"], "--patterns 'bogus' is unknown; allowed: full, causal, sda, s2, scca_fixed, scca_flow"),
+    (["--patterns", "scca_flow,dca"], "--patterns 'dca' is a training-free method: there is no training step to plan; "
+                                      "allowed: full, causal"),
+    (["--patterns", "mixed"], "--patterns 'mixed': mixed: parameter(s) parts required"),
+    (["--patterns", "scca_flow", "attention.params.chunks=3"], "--patterns 'scca_flow': scca_flow: num_heads=8 must be "
+                                                               "divisible by 3"),
 ])
 def test_bad_plan_flags_are_one_line(argv, words, capsys):
     from sparse_ft.cli import main
@@ -104,6 +122,96 @@ def test_bad_plan_flags_are_one_line(argv, words, capsys):
     assert main(["plan", "recipe=tiny", *argv]) == 2
     err = capsys.readouterr().err
     assert words in err and err.count("\n") == 1
+
+
+def test_a_budget_past_the_search_is_said_to_be_past_it(capsys):
+    from sparse_ft.cli import main
+
+    assert main(["plan", "recipe=tiny", "--patterns", "full", "--gpu-memory", "1000TiB,1MiB"]) == 0
+    out = capsys.readouterr().out
+    assert f"| full | 1 | > {memory.SEARCH_LIMIT:,} | none |" in out
+
+
+def test_every_registered_pattern_declares_its_memory():
+    """The planner asks the pattern (no list of names): every registered one answers, with
+    the backward terms of a fused kernel, and a new one is planned as the pieces bound of the
+    base class until it declares less."""
+    import attn_patterns
+    from attn_patterns import PATTERNS, Pattern
+
+    for name in attn_patterns.names():
+        if name == "mixed":
+            continue
+        setup = Setup(shape=LLAMA3, pattern=name)
+        terms = memory.attention_workspace(setup, 4096)
+        assert "attention backward: dQ accumulator (fp32)" in terms.backward, name
+        assert "attention backward: dK, dV per query head (GQA)" in terms.backward, name
+
+    class Toy(Pattern):
+        name = "toy_for_the_planner"
+
+    PATTERNS.register(Toy)
+    try:
+        toy = memory.attention_workspace(Setup(shape=LLAMA3, pattern="toy_for_the_planner"), 4096)
+        causal = memory.attention_workspace(Setup(shape=LLAMA3, pattern="causal"), 4096)
+        assert sum(toy.saved.values()) > sum(causal.saved.values())
+        assert sum(toy.backward.values()) > sum(causal.backward.values())
+    finally:
+        PATTERNS.remove("toy_for_the_planner")
+    for name in ("dca", "bogus"):
+        with pytest.raises(ValueError, match="cannot train|is unknown"):
+            memory.attention_pattern(Setup(shape=LLAMA3, pattern=name))
+
+
+def test_dense_attention_backward_is_what_an_h200_allocated():
+    """SDPA's cuDNN backward on an H200 (torch 2.11) allocated 45,184 bytes per token for
+    Llama-3.1-8B's 32 query and 8 K/V heads of 128 in bf16: dQ, dK, dV, dK and dV per query
+    head, the fp32 dQ accumulator and the fp32 row sums (docs/memory.md)."""
+    from attn_patterns.workspace import kernel_call
+
+    n = 131072
+    call = kernel_call(n, n, heads=32, kv_heads=8, head_dim=128, dtype_bytes=2)
+    assert sum(call.backward.values()) == 45184 * n
+    assert call.saved == {"attention log-sum-exp (fp32)": 128 * n}
+
+
+def test_qlora_8b_step_against_the_h200():
+    """The QLoRA recipe with Llama-3.1-8B's shapes measured on an H200 (results/bench/fit-8b-*.json):
+    the planner within 2% below at 131k and 180k tokens (SDPA's blocked calls today repeat K/V
+    per query head under autocast, 12 KiB per token the planner leaves to the kernel's fix),
+    the peak at the MLP's backward at 131k and at the post-attention norm's at 180k, and the
+    longest fit between the longest length that ran and the shortest that did not."""
+    from sparse_ft.config import load_recipe
+    from sparse_ft.config.paths import REPO_ROOT
+    from sparse_ft.plan.cli import setup_from_recipe
+
+    recipe = load_recipe("qlora/llama2_7b_64k_24gb_qlora", ["model.name_or_path=meta-llama/Llama-3.1-8B",
+                                                             "train.offload_activations=false"])
+    setup = setup_from_recipe(recipe)
+    measured = {}
+    for name in ("fit-8b-h200.json", "fit-8b-upper-h200.json"):
+        for row in json.loads((REPO_ROOT / "results" / "bench" / name).read_text())["results"]:
+            if row["fits"]:
+                measured[row["seq_len"]] = row["measured_gib"] * memory.GIB
+    assert sorted(measured) == [131072, 180224]
+    for n, bytes_ in measured.items():
+        assert 0.98 < memory.peak(setup, n) / bytes_ <= 1.0, n
+    totals = {n: memory.phase_totals(setup, n) for n in measured}
+    assert max(totals[131072], key=totals[131072].get) == "last layer's backward at the MLP"
+    assert max(totals[180224], key=totals[180224].get) == "last layer's backward at the post-attention norm"
+    assert 180224 <= memory.longest_fit(setup, 139.8 * memory.GIB) < 196608
+
+
+def test_mlp_tiles_bound_the_mlp_term_and_their_gradients_gather():
+    base = Setup(shape=LLAMA3, mlp_tile_tokens=8192)
+    n = 65536
+    mlp = memory.layer_phases(base, n)["at the MLP"]
+    assert mlp["MLP working set (a tile of 8,192, forward + backward)"] == 6 * 2 * LLAMA3.intermediate * 8192
+    assert mlp["MLP input gradient, gathered from the tiles"] == 4 * LLAMA3.hidden * n  # fp32 after the fp32 norm
+    whole = memory.layer_phases(dataclasses.replace(base, mlp_tile_tokens=0), n)["at the MLP"]
+    assert whole["MLP working set (whole, forward + backward)"] == 6 * 2 * LLAMA3.intermediate * n
+    nf4 = memory.layer_phases(dataclasses.replace(base, quantization="nf4"), n)["at the MLP"]
+    assert nf4["MLP working set (a tile of 8,192, forward + backward)"] == 6 * 4 * LLAMA3.intermediate * 8192
 
 
 def test_unknown_hub_model_is_refused_by_name():
@@ -126,4 +234,4 @@ def test_prediction_matches_a_measured_tiny_step():
     case = dict(model="tiny", layers=4, pattern="scca_flow", feature="ckpt", n=4096, device="cpu", dtype="float32")
     measured = check.measure_child(case)["step_mib"] * 2**20
     _, predicted = check.predicted(check.setup_for("tiny", 4, "scca_flow", "ckpt", dtype="float32", device="cpu"), 4096)
-    assert predicted == pytest.approx(measured, rel=0.10)
+    assert predicted == pytest.approx(measured, rel=0.05)

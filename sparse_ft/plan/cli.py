@@ -9,20 +9,27 @@ import dataclasses
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 HELP = "predict peak GPU memory of a recipe by component and the longest context that fits"
-PATTERNS = "full,s2,scca_fixed,scca_flow,longmixed,sda"
-UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12}
+UNITS = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12}
 
 
 def memory_size(text: str) -> float:
-    """``80GiB``, ``141GB``, ``24gib``: bytes."""
+    """``80GiB``, ``141GB``, ``24gib``: bytes. A bare number is refused: ``80`` would be 80 bytes."""
     found = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
     if not found or found.group(2).lower() not in UNITS or float(found.group(1)) <= 0:
-        raise ValueError(f"--gpu-memory {text!r} must be a positive size such as 80GiB, 141GB or 24GiB "
-                         f"(units: {', '.join(u for u in UNITS if u)})")
+        raise ValueError(f"--gpu-memory {text!r} must be a positive size with a unit, such as 80GiB, 141GB or 24GiB "
+                         f"(units: {', '.join(UNITS)})")
     return float(found.group(1)) * UNITS[found.group(2).lower()]
+
+
+def memory_sizes(text: str) -> dict[str, float]:
+    """``--gpu-memory``'s comma list, one column each, at least one."""
+    sizes = {part.strip(): memory_size(part) for part in text.split(",") if part.strip()}
+    if not sizes:
+        raise ValueError(f"--gpu-memory {text!r} must list at least one size, such as 80GiB or 24GiB,141GB")
+    return sizes
 
 
 def _ints(text: str, flag: str) -> list[int]:
@@ -35,11 +42,72 @@ def _ints(text: str, flag: str) -> list[int]:
     return values
 
 
+def pattern_setups(text: Optional[str], recipe: Any, base: Any) -> list[Any]:
+    """One Setup per ``--patterns`` name (default: every trainable one that builds with no
+    parameters), refused in one line as ``train`` refuses ``attention.pattern``: an unknown
+    name, a training-free method (``dca``, ``longheads``: there is no training step to plan),
+    parameters the pattern refuses, or a head count it cannot split. The recipe's pattern keeps
+    its ``attention.params``; another takes those of them its factory accepts (``chunks``)."""
+    from sparse_ft import methods
+    from sparse_ft.plan import memory
+
+    allowed = [n for n in methods.names() if _trains(n)]
+    names = methods.names(lambda s: s.training) if text is None else [p.strip() for p in text.split(",") if p.strip()]
+    if not names:
+        raise ValueError(f"--patterns {text!r} must list at least one pattern; allowed: {', '.join(allowed)}")
+    setups = []
+    for name in names:
+        if name not in allowed:
+            known = name in methods.names()
+            why = "is a training-free method: there is no training step to plan" if known else "is unknown"
+            raise ValueError(f"--patterns {name!r} {why}; allowed: {', '.join(allowed)}")
+        accepted = _registry(name).parameters(name)
+        params = (dict(recipe.attention.params) if name == recipe.attention.pattern
+                  else {k: v for k, v in recipe.attention.params.items() if k in accepted})
+        setup = dataclasses.replace(base, pattern=name, pattern_params=params)
+        try:
+            pattern = memory.attention_pattern(setup)
+            if pattern is not None:
+                pattern.check_heads(base.shape.heads)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"--patterns {name!r}: {err}") from None
+        setups.append(setup)
+    return setups
+
+
+def _registry(name: str):
+    from attn_patterns import PATTERNS
+    from sparse_ft.methods import METHODS
+
+    return PATTERNS if name in PATTERNS else METHODS
+
+
+def _trains(name: str) -> bool:
+    """From the registries' classes, without building: every pattern trains, a method says so."""
+    from attn_patterns import PATTERNS
+    from sparse_ft.methods import METHODS
+
+    return name in PATTERNS or bool(METHODS.factory(name).supports.training)
+
+
+def check_sequence_parallel(sps: list[int], gpus: int, shape: Any) -> None:
+    """Each ``--sp`` by the rules ``train`` applies before anything loads (heads, K/V heads,
+    GPUs), in one line naming the flag."""
+    from sparse_ft.config.schema import sequence_parallel_rule
+
+    for sp in sps:
+        rule = sequence_parallel_rule(sp, gpus, shape.heads, shape.kv_heads)
+        if rule is not None:
+            raise ValueError(f"--sp {sp} is invalid: {rule}")
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("assignments", nargs="*", metavar="recipe=NAME | KEY=VALUE",
                         help="the recipe and dotted.key=value overrides, as sparse-ft train takes them")
     parser.add_argument("--gpu-memory", default="80GiB", help="memory of one GPU (comma list: one column each)")
-    parser.add_argument("--patterns", default=PATTERNS, help="patterns to plan (comma list); chunks from the recipe")
+    parser.add_argument("--patterns", default=None,
+                        help="patterns to plan (comma list; default: every trainable one, full included); "
+                             "parameters (chunks) from the recipe's attention.params")
     parser.add_argument("--sp", default=None, help="sequence-parallel sizes (comma list; default: the recipe's train.sequence_parallel_size)")
     parser.add_argument("--gpus", type=int, default=None,
                         help="GPUs the run spans (ZeRO's partitions; default: the largest --sp)")
@@ -72,7 +140,7 @@ def setup_from_recipe(recipe: Any, **changes: Any):
         mlp_tile_tokens=train.mlp_tile_tokens, loss=train.loss, loss_chunk_tokens=train.loss_chunk_tokens,
         zero_stage=int(zero.get("stage", 0)) if ds else 0, offload_optimizer=offload.get("device", "none") not in ("none", None),
         world_size=max(1, train.sequence_parallel_size), sequence_parallel=train.sequence_parallel_size,
-        pattern=recipe.attention.pattern, chunks=int(recipe.attention.params.get("chunks", 4)),
+        pattern=recipe.attention.pattern, pattern_params=dict(recipe.attention.params),
         batch=train.per_device_batch_size,
     )
     return dataclasses.replace(setup, **changes)
@@ -84,28 +152,36 @@ def run(args: argparse.Namespace) -> int:
     from sparse_ft.plan import memory
     from sparse_ft.train.cli import recipe_arguments
 
-    budgets = {text.strip(): memory_size(text) for text in args.gpu_memory.split(",") if text.strip()}
+    budgets = memory_sizes(args.gpu_memory)
     if not 0 <= args.headroom < 1:
         raise ValueError(f"--headroom={args.headroom} must be in [0, 1)")
-    patterns = [p for p in args.patterns.split(",") if p]
+    if args.gpus is not None and args.gpus < 1:
+        raise ValueError(f"--gpus={args.gpus} must be a positive number of GPUs")
     name, overrides = recipe_arguments(args)
     recipe = load_recipe(name, overrides)
     sps = _ints(args.sp, "--sp") if args.sp else [recipe.train.sequence_parallel_size]
-    gpus = args.gpus or max(sps)
+    gpus = max(sps) if args.gpus is None else args.gpus
     if any(gpus % sp for sp in sps):
         raise ValueError(f"--gpus={gpus} must be a multiple of every --sp ({args.sp})")
+    base = setup_from_recipe(recipe, kernel=args.kernel, world_size=gpus)
+    check_sequence_parallel(sps, gpus, base.shape)
     lengths = _ints(args.lengths, "--lengths") if args.lengths else [recipe.model.target_length]
+    uneven = [n for n in lengths if n % base.sequence_parallel]
+    if uneven:
+        raise ValueError(f"--lengths {uneven[0]} must be a multiple of the recipe's train.sequence_parallel_size="
+                         f"{base.sequence_parallel} (each rank holds seq_len / sp tokens)")
+    setups = pattern_setups(args.patterns, recipe, base)
     if args.output is not None:
         check_output_file(args.output, "plan: --output", args.overwrite)
         check_output_file(args.output.with_suffix(".md"), "plan: --output", args.overwrite)
-    base = setup_from_recipe(recipe, kernel=args.kernel, world_size=gpus)
     fits = []
-    for pattern in patterns:
+    for setup in setups:
         for sp in sps:
-            setup = dataclasses.replace(base, pattern=pattern, sequence_parallel=sp)
-            fits.append({"pattern": pattern, "sequence_parallel": sp, "longest": {
-                label: memory.longest_fit(setup, budget * (1 - args.headroom)) for label, budget in budgets.items()}})
+            sized = dataclasses.replace(setup, sequence_parallel=sp)
+            fits.append({"pattern": setup.pattern, "sequence_parallel": sp, "longest": {
+                label: memory.longest_fit(sized, budget * (1 - args.headroom)) for label, budget in budgets.items()}})
     breakdown = [{"seq_len": n, "components_gib": {k: v / memory.GIB for k, v in memory.components(base, n).items()},
+                  "phases_gib": {k: v / memory.GIB for k, v in memory.phase_totals(base, n).items()},
                   "total_gib": memory.peak(base, n) / memory.GIB, "host_offload_gib": memory.host_offload(base, n) / memory.GIB}
                  for n in lengths]
     title = (f"sparse-ft plan: {recipe.name} ({base.shape.source}; {base.dtype}"
@@ -115,22 +191,31 @@ def run(args: argparse.Namespace) -> int:
     print(f"{title}\n\n{table}")
     if args.output is not None:
         _write(args, title, table, {"recipe": recipe.name, "setup": _jsonable(base), "gpu_memory": budgets,
-                                    "headroom": args.headroom, "longest_fit": fits, "breakdown": breakdown})
+                                    "headroom": args.headroom, "search_limit": memory.SEARCH_LIMIT, "longest_fit": fits,
+                                    "breakdown": breakdown})
     return 0
 
 
 def markdown(fits: list[dict], breakdown: list[dict], labels: list[str], pattern: str) -> str:
+    from sparse_ft.plan.memory import SEARCH_LIMIT
+
+    def cell(n: Optional[int]) -> str:
+        return "none" if not n else f"> {SEARCH_LIMIT:,}" if n > SEARCH_LIMIT else f"{n:,}"
+
     lines = ["| pattern | sp | " + " | ".join(f"longest on {b}" for b in labels) + " |",
              "|---|---:|" + "---:|" * len(labels)]
     for row in fits:
-        cells = [f"{n:,}" if n else "none" for n in row["longest"].values()]
-        lines.append(f"| {row['pattern']} | {row['sequence_parallel']} | " + " | ".join(cells) + " |")
+        cells = " | ".join(map(cell, row["longest"].values()))
+        lines.append(f"| {row['pattern']} | {row['sequence_parallel']} | {cells} |")
     for part in breakdown:
         lines += ["", f"Peak per GPU at {part['seq_len']:,} tokens ({pattern}), GiB:", "", "| component | GiB |", "|---|---:|"]
         lines += [f"| {k} | {v:.2f} |" for k, v in part["components_gib"].items()]
         lines.append(f"| **total** | **{part['total_gib']:.2f}** |")
         if part["host_offload_gib"]:
             lines.append(f"| (host memory: offloaded checkpoints) | {part['host_offload_gib']:.2f} |")
+        phases = ", ".join(f"{k} {v:.2f}" for k, v in part["phases_gib"].items())
+        lines += ["", "Beyond the static memory, each candidate for the peak (GiB; the largest is counted above): "
+                  f"{phases}."]
     return "\n".join(lines)
 
 

@@ -1,41 +1,50 @@
-"""Peak memory per GPU of one training step, by component, from the shapes and the recipe's keys.
+"""Peak memory per GPU of one training step, by named term, from the shapes and the recipe's keys.
 
 A prediction of what the allocator holds at the step's peak (``torch.cuda.max_memory_allocated``),
 not of what ``nvidia-smi`` shows: the CUDA context, NCCL's buffers and the allocator's
 fragmentation are left to :data:`HEADROOM`. The terms and what each assumes are in
-docs/memory.md; scripts/plan_check.py compares them with measurements. Every term is linear in
-the tokens ``t`` a rank holds, except the attention scores of the math kernel.
+docs/memory.md; scripts/plan_check.py and scripts/fit_length.py compare them with
+measurements. Every term is linear in the tokens ``t`` a rank holds, except the math kernel's
+attention scores.
 
 The step's peak is in the backward of the last decoder layer (every checkpointed input still
 held, that layer recomputed, the gradient of its output flowing), in the loss's backward (the
 final hidden states and a chunk's logits), or at the end of backward, where a trainable
 embedding's new dense gradient exists beside the accumulated one: whichever holds most, as
-they never coexist.
+they never coexist. Inside the layer's backward, what is held changes as autograd frees each
+op's saved tensors after its backward: at the MLP (one tile at a time when tiled), at the
+post-attention norm just after it, and at attention, each its own sum (:func:`layer_phases`).
+
+What attention holds comes from the pattern itself (``Pattern.workspace``, registered with the
+pattern), or, for ``full``, from the model's own dense kernel call: no list of names here.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
+from attn_patterns.workspace import Workspace, kernel_call
 from sparse_ft.plan.geometry import ModelShape
 
 GIB = 2**30
 HEADROOM = 0.10  # of the GPU's memory, for the CUDA context, NCCL buffers and fragmentation
+SEARCH_LIMIT = 1 << 26  # tokens: longest_fit's ceiling; a longer fit is reported as "more than this"
 # bitsandbytes NF4 with double quantisation: 4 bits, an 8-bit absmax per 64 weights, an fp32
 # scale (and offset) per 256 absmax values
 NF4_BITS = 4 + 8 / 64 + 32 / (64 * 256)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-# patterns computed in blocks (their q, k, v copied into SDPA's folded batch), with the block
-# width as a fraction of N: chunked ones N / chunks, the dilated ones every ``dilation``-th token
-CHUNKED = {"s2", "scca_fixed", "scca_flow", "longmixed", "local"}
-DILATED = {"sda": 2}
+# which activation each LoRA target reads (its A matrix keeps that input for its gradient)
+LORA_INPUT = {"q_proj": "norm1", "k_proj": "norm1", "v_proj": "norm1", "gate_proj": "norm2", "up_proj": "norm2",
+              "o_proj": "attention", "down_proj": "mlp"}
+MLP_TENSORS = 6  # gate, up, activation (forward) and the gradients of the product, activation and up (backward)
 
 
 @dataclass(frozen=True)
 class Setup:
-    """What of a recipe the memory depends on (``from_recipe``)."""
+    """What of a recipe the memory depends on (``sparse_ft.plan.cli.setup_from_recipe``).
+    ``pattern`` is any trainable name of ``sparse_ft.methods`` with its ``pattern_params``."""
 
     shape: ModelShape
     dtype: str = "bfloat16"
@@ -53,8 +62,8 @@ class Setup:
     world_size: int = 1
     sequence_parallel: int = 1
     pattern: str = "scca_flow"
-    chunks: int = 4
-    kernel: str = "fused"  # fused: SDPA's flash / memory-efficient / CPU kernels; math: scores materialised
+    pattern_params: dict[str, Any] = field(default_factory=dict)
+    kernel: str = "fused"  # fused: SDPA's flash / cuDNN / memory-efficient / CPU kernels; math: scores materialised
     batch: int = 1
     notes: tuple[str, ...] = field(default=())
 
@@ -89,6 +98,19 @@ def residual_bytes(setup: Setup) -> int:
     return _act_bytes(setup)
 
 
+def norm_output_bytes(setup: Setup) -> int:
+    """An RMSNorm's output is its weight times the normalised input in the residual's dtype,
+    type-promoted: fp32 where either is (plain torch trains the norms as fp32 masters)."""
+    weight = 4 if setup.zero_stage == 0 and "norm" in setup.extra_trainable else _act_bytes(setup)
+    return max(residual_bytes(setup), weight)
+
+
+def projection_output_bytes(setup: Setup) -> int:
+    """What a frozen projection answers in: bitsandbytes' NF4 layers in their input's dtype
+    (so fp32 after an fp32 norm), a half-precision ``nn.Linear`` under autocast in half."""
+    return norm_output_bytes(setup) if setup.quantization == "nf4" else _act_bytes(setup)
+
+
 def weights(setup: Setup) -> dict[str, float]:
     s, a = setup.shape, _act_bytes(setup)
     linear = s.layers * s.layer_linear_params()
@@ -121,47 +143,120 @@ def tokens_per_rank(setup: Setup, n: int) -> int:
     return setup.batch * -(-n // setup.sequence_parallel)
 
 
-def layer_working_set(setup: Setup, t: int) -> float:
-    """What one decoder layer's forward keeps for backward (its recomputation under gradient
-    checkpointing), plus the gradients alive in its backward, per rank. Autograd keeps only what
-    a gradient needs, and the base's weights are frozen: a projection without LoRA keeps no
-    input. Per token, as counted on the tiny model (docs/memory.md): each RMSNorm's
-    normalised input in fp32 (and, for a half-precision residual, its fp32 upcast: the norm's
-    weight trains), the first norm's output (LoRA's input on q/k/v), the residual after
-    attention, LoRA A's outputs, q and k after RoPE, v, the attention output and o_proj's
-    contiguous input, the MLP's gate, up and activation (3 × I, per tile when tiled; the
-    product feeds the frozen down_proj and is not kept); in backward, the residual stream's
-    gradient twice."""
-    s, a, r = setup.shape, _act_bytes(setup), residual_bytes(setup)
-    mlp_tokens = min(t, setup.mlp_tile_tokens) if setup.mlp_tile_tokens else t
-    norm = 4 * s.hidden if r == 4 else (4 + a) * s.hidden
-    lora = a * setup.lora_r * len(setup.lora_targets)
-    per_token = 2 * norm + a * s.hidden + r * s.hidden + lora + a * (3 * s.q_width + 2 * s.kv_width)
-    return per_token * t + 3 * a * s.intermediate * mlp_tokens + 2 * r * s.hidden * t
+def attention_pattern(setup: Setup):
+    """The pattern ``setup.pattern`` names, or None for a method that leaves attention to the
+    model's own dense kernel (``full``); resolved by ``sparse_ft.methods`` as a recipe's
+    ``attention.pattern`` is, so an unknown or training-free name is refused here too."""
+    from sparse_ft import methods
+    from sparse_ft.methods.pattern import PatternMethod
+
+    method = methods.get(setup.pattern, "pattern", **setup.pattern_params)
+    if not method.supports.training:
+        raise ValueError(f"pattern={setup.pattern!r} cannot train (a training-free method); allowed: "
+                         f"{', '.join(methods.names(lambda s: s.training))}")
+    if isinstance(method, PatternMethod):
+        return method.pattern
+    if method.replaces_attention:
+        raise ValueError(f"pattern={setup.pattern!r}: the planner has no memory model for this method's attention")
+    return None
 
 
-def attention_workspace(setup: Setup, n: int) -> dict[str, float]:
-    """One layer's attention beyond what :func:`layer_working_set` counts, per rank. Under
-    Ulysses a rank holds ``heads / sp`` heads over the whole sequence, and the all-to-all's q,
-    k, v and output buffers. Fused kernels (flash on sm80+, memory-efficient, the CPU kernel)
-    keep the output and its log-sum-exp, no scores; blocked patterns keep q, k, v in SDPA's
-    folded batch instead of the model's layout and one output-wide copy more (counted on the
-    tiny model: one Q-wide tensor per token more than full attention). The math kernel
-    materialises each block's fp32 scores, their softmax and its gradient."""
+def attention_workspace(setup: Setup, n: int) -> Workspace:
+    """What one layer's attention holds beyond its q, k, v and output, per rank: the pattern's
+    own declaration, or the model's dense kernel call. Under Ulysses a rank attends with
+    ``heads / sp`` heads over the whole sequence (each sequence of the batch alone)."""
     s, a = setup.shape, _act_bytes(setup)
-    sp = setup.sequence_parallel
-    heads, q = s.heads / sp, s.q_width / sp
-    tokens = setup.batch * n
-    parts = {"attention (lse)": 4 * heads * tokens}
-    blocked = setup.pattern in CHUNKED or setup.pattern in DILATED or setup.pattern == "causal"
-    if blocked:
-        parts["attention (pattern copies)"] = a * q * tokens
-    if setup.kernel == "math":
-        width = n / setup.chunks if setup.pattern in CHUNKED else n / DILATED.get(setup.pattern, 1)
-        parts["attention scores (math kernel)"] = 3 * 4 * heads * tokens * width
-    if sp > 1:  # q, k, v and output counted Q-wide: an upper bound where k and v are narrower (GQA)
-        parts["Ulysses all-to-all buffers"] = 4 * a * q * tokens
-    return parts
+    pattern = attention_pattern(setup)
+    if pattern is None:
+        call = kernel_call(n, n, heads=s.heads, kv_heads=s.kv_heads, head_dim=s.head_dim, dtype_bytes=a, kernel=setup.kernel)
+    else:
+        call = pattern.workspace(n, s.heads, kv_heads=s.kv_heads, head_dim=s.head_dim, dtype_bytes=a, kernel=setup.kernel)
+    return call.scaled(setup.batch / setup.sequence_parallel)
+
+
+def _lora_inputs(setup: Setup, source: str, width: int, in_bytes: int) -> float:
+    """Bytes per token the LoRA targets reading ``source`` keep: under autocast each casts an
+    input wider than the model's dtype to its own copy; otherwise they share the input."""
+    count = sum(LORA_INPUT.get(m) == source for m in setup.lora_targets)
+    a = _act_bytes(setup)
+    if not count:
+        return 0.0
+    return (count * a if in_bytes > a else in_bytes) * width
+
+
+def layer_saved(setup: Setup, n: int) -> dict[str, dict[str, float]]:
+    """What the layer's forward keeps for backward, per rank, in two groups: ``attention``
+    (until attention's backward, the last of the layer's big ones) and ``middle`` (between
+    attention and the MLP, freed just before attention's backward). Autograd keeps only what
+    a gradient needs and the base is frozen: a projection without LoRA keeps no input.
+    Counted with the allocator's history on an H200 (docs/memory.md)."""
+    s, a, r = setup.shape, _act_bytes(setup), residual_bytes(setup)
+    t = tokens_per_rank(setup, n)
+    norm = 4 * s.hidden if r == 4 else (4 + a) * s.hidden  # the fp32 normalised input (and an fp32 upcast)
+    attention = {
+        "input norm's kept input (fp32)": norm * t,
+        "LoRA inputs of q, k, v": _lora_inputs(setup, "norm1", s.hidden, norm_output_bytes(setup)) * t,
+        "LoRA A outputs": a * setup.lora_r * len(setup.lora_targets) * t,
+        "attention inputs q, k, v": a * (s.q_width + 2 * s.kv_width) * t,
+        "attention output": a * s.q_width * t,
+        **attention_workspace(setup, n).saved,
+    }
+    if setup.sequence_parallel > 1:  # q, k, v and output counted Q-wide: an upper bound where k and v are narrower (GQA)
+        attention["Ulysses all-to-all buffers"] = 4 * a * s.q_width * t
+    middle = {"residual after attention": r * s.hidden * t, "post-attention norm's kept input (fp32)": norm * t}
+    return {"attention": attention, "middle": middle}
+
+
+def mlp_working_set(setup: Setup, t: int) -> float:
+    """One MLP call's gate, up and activation and, in its backward, the gradients of their
+    product, of the activation and of up (:data:`MLP_TENSORS`, in the projections' output
+    dtype), with the inputs its LoRA targets keep: over one tile of ``mlp_tile_tokens``
+    positions when tiled (each tile is recomputed in backward: sparse_ft/train/activations.py)."""
+    s = setup.shape
+    m = min(t, setup.mlp_tile_tokens) if setup.mlp_tile_tokens else t
+    e = projection_output_bytes(setup)
+    lora = (_lora_inputs(setup, "norm2", s.hidden, norm_output_bytes(setup))
+            + _lora_inputs(setup, "mlp", s.intermediate, e))
+    return (MLP_TENSORS * e * s.intermediate + lora) * m
+
+
+def layer_phases(setup: Setup, n: int) -> dict[str, dict[str, float]]:
+    """The recomputed layer's backward at its three largest moments, each by term, per rank:
+    at the MLP (the tiles' shared input still held and the gradients of finished tiles
+    gathered for their concatenation), at the post-attention norm just after it (the MLP's
+    input gradient whole, the norm's fp32 backward), and at attention (its own backward
+    workspace, the post-attention tensors freed)."""
+    s, a, r = setup.shape, _act_bytes(setup), residual_bytes(setup)
+    t = tokens_per_rank(setup, n)
+    saved = layer_saved(setup, n)
+    before, middle = saved["attention"], saved["middle"]
+    grad = {"residual stream gradient": r * s.hidden * t}
+    e = norm_output_bytes(setup)
+    tiled = bool(setup.mlp_tile_tokens) and setup.mlp_tile_tokens < t
+    mlp = {**before, **middle, **grad}
+    if tiled:
+        mlp["MLP input, kept by its tiles"] = e * s.hidden * t
+        mlp["MLP input gradient, gathered from the tiles"] = e * s.hidden * t
+    span = f"a tile of {setup.mlp_tile_tokens:,}" if tiled else "whole"
+    mlp[f"MLP working set ({span}, forward + backward)"] = mlp_working_set(setup, t)
+    norm = {**before, **middle, **grad, "MLP input gradient": e * s.hidden * t,
+            "post-attention norm's backward (fp32)": 2 * 4 * s.hidden * t}
+    attention = {**before, **grad, "attention output gradient": a * s.q_width * t,
+                 **attention_workspace(setup, n).backward}
+    return {"at the MLP": mlp, "at the post-attention norm": norm, "at attention": attention}
+
+
+def layer_kept(setup: Setup, n: int) -> float:
+    """What one layer holds from its forward to its backward without gradient checkpointing:
+    its saved tensors and its MLP's (gate, up and activation, or a tiled MLP's input)."""
+    s = setup.shape
+    t = tokens_per_rank(setup, n)
+    saved = layer_saved(setup, n)
+    if setup.mlp_tile_tokens and setup.mlp_tile_tokens < t:
+        mlp = norm_output_bytes(setup) * s.hidden * t
+    else:
+        mlp = MLP_TENSORS // 2 * projection_output_bytes(setup) * s.intermediate * t
+    return sum(saved["attention"].values()) + sum(saved["middle"].values()) + mlp
 
 
 def loss_working_set(setup: Setup, t: int) -> float:
@@ -173,8 +268,26 @@ def loss_working_set(setup: Setup, t: int) -> float:
     return per_logit * tokens * s.vocab
 
 
+def phases(setup: Setup, n: int) -> dict[str, dict[str, float]]:
+    """Each candidate for the step's peak beyond the static memory, by term: the last layer's
+    backward at each of its moments (under gradient checkpointing; without it every earlier
+    layer's saved tensors as well), the loss's backward, and the end of backward."""
+    s = setup.shape
+    t = tokens_per_rank(setup, n)
+    r = residual_bytes(setup)
+    earlier = ({} if setup.gradient_checkpointing
+               else {"earlier layers' saved tensors": (s.layers - 1) * layer_kept(setup, n)})
+    out = {f"last layer's backward {moment}": {**earlier, **terms} for moment, terms in layer_phases(setup, n).items()}
+    out["loss backward"] = {"final hidden states (norm input and output)": (8 + r) * t * s.hidden,
+                            "loss " + ("chunk" if setup.loss == "chunked" else "logits"): loss_working_set(setup, t)}
+    out["end of backward"] = {"embedding's new gradient": embedding_gradient(setup)}
+    return out
+
+
 def components(setup: Setup, n: int) -> dict[str, float]:
-    """Bytes per GPU at the step's peak for sequences of ``n`` tokens, by component."""
+    """Bytes per GPU at the step's peak for sequences of ``n`` tokens, by term: the static
+    memory, the activations every phase holds, and the terms of the phase that holds most
+    (each named ``phase: term``)."""
     s = setup.shape
     t = tokens_per_rank(setup, n)
     r = residual_bytes(setup)
@@ -182,17 +295,17 @@ def components(setup: Setup, n: int) -> dict[str, float]:
     if setup.gradient_checkpointing:
         kept = 1 if setup.offload_activations else s.layers
         parts["checkpointed layer inputs" + (" (1 layer; the rest on the CPU)" if setup.offload_activations else "")] = kept * t * s.hidden * r
-        layer = layer_working_set(setup, t) + sum(attention_workspace(setup, n).values())
-    else:
-        layer = s.layers * (layer_working_set(setup, t) + sum(attention_workspace(setup, n).values()))
-    final = (8 + r) * t * s.hidden  # the final norm's input and output, which the loss reads
-    phases = {"layer recomputed + attention (backward)": layer,
-              "final hidden states + loss " + ("chunk" if setup.loss == "chunked" else "logits") + " (backward)":
-                  final + loss_working_set(setup, t),
-              "embedding's new gradient (end of backward)": embedding_gradient(setup)}
-    name = max(phases, key=phases.get)
-    parts[name] = phases[name]
+    # computed once per forward in the residual's dtype, read by every layer's backward
+    parts["RoPE cos/sin tables"] = 2 * r * s.head_dim * t
+    candidates = phases(setup, n)
+    name = max(candidates, key=lambda k: sum(candidates[k].values()))
+    parts.update({f"{name}: {term}": size for term, size in candidates[name].items()})
     return parts
+
+
+def phase_totals(setup: Setup, n: int) -> dict[str, float]:
+    """Each candidate phase's bytes beyond the static memory (the largest is the peak's)."""
+    return {name: sum(terms.values()) for name, terms in phases(setup, n).items()}
 
 
 def embedding_gradient(setup: Setup) -> float:
@@ -215,14 +328,15 @@ def peak(setup: Setup, n: int) -> float:
     return sum(components(setup, n).values())
 
 
-def longest_fit(setup: Setup, budget: float, *, granule: int = 1024, limit: int = 1 << 26) -> Optional[int]:
+def longest_fit(setup: Setup, budget: float, *, granule: int = 1024, limit: int = SEARCH_LIMIT) -> Optional[int]:
     """The longest sequence (a multiple of ``granule`` and of ``sequence_parallel``) whose
     predicted peak stays within ``budget`` bytes, by bisection (the peak grows with N); None
-    when not even one granule fits."""
+    when not even one granule fits. The search stops one step past ``limit``: a result above
+    ``limit`` means more than ``limit`` tokens fit (how many more is not searched)."""
     step = granule * setup.sequence_parallel // math.gcd(granule, setup.sequence_parallel)
     if peak(setup, step) > budget:
         return None
-    lo, hi = 1, limit // step
+    lo, hi = 1, limit // step + 1
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if peak(setup, mid * step) <= budget:
@@ -230,5 +344,3 @@ def longest_fit(setup: Setup, budget: float, *, granule: int = 1024, limit: int 
         else:
             hi = mid - 1
     return lo * step
-
-
