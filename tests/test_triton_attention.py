@@ -92,16 +92,22 @@ def test_future_tokens_never_leak(name, params):
         torch.testing.assert_close(pattern(*moved, backend="triton")[:, :, : t + 1], base[:, :, : t + 1], atol=0, rtol=0)
 
 
+def assert_fp32_equals_reference(pattern, q, k, v, mask):
+    """The kernel in fp32 on float64 inputs' values against the float64 dense reference with
+    ``mask``: output and the three gradients."""
+    ours = [x.float().to(DEVICE).requires_grad_() for x in (q, k, v)]
+    ref = [x.requires_grad_() for x in (q, k, v)]
+    out, want = pattern(*ours, backend="triton"), dense_attention(*ref, mask)
+    cot = torch.randn_like(want)
+    got = (out, *torch.autograd.grad(out, ours, cot.to(DEVICE, torch.float32)))
+    assert_all_close(got, (want, *torch.autograd.grad(want, ref, cot)), FP32_TOL)
+
+
 def test_head_dim_that_is_no_power_of_two():
     """D=12 is zero-padded to the 16 ``tl.dot`` takes: same values and gradients."""
     pattern = attn_patterns.get("s2")
     q, k, v = (x[..., :12] for x in qkv(29, 4))
-    ours = [x.float().to(DEVICE).requires_grad_() for x in (q, k, v)]
-    ref = [x.requires_grad_() for x in (q, k, v)]
-    out, want = pattern(*ours, backend="triton"), dense_attention(*ref, pattern.mask(29, H))
-    cot = torch.randn_like(want)
-    got = (out, *torch.autograd.grad(out, ours, cot.to(DEVICE, torch.float32)))
-    assert_all_close(got, (want, *torch.autograd.grad(want, ref, cot)), FP32_TOL)
+    assert_fp32_equals_reference(pattern, q, k, v, pattern.mask(29, H))
 
 
 def test_transformers_layout():
@@ -122,12 +128,7 @@ def test_head_slices_equal_those_heads_of_the_whole_call(name, offset, heads):
     need not respect K/V groups)."""
     part = attn_patterns.get(name).heads(offset, H)
     q, k, v = (x[:, offset : offset + heads] for x in qkv(37, H))
-    ours = [x.float().to(DEVICE).requires_grad_() for x in (q, k, v)]
-    ref = [x.requires_grad_() for x in (q, k, v)]
-    out, want = part(*ours, backend="triton"), dense_attention(*ref, part.mask(37, heads))
-    cot = torch.randn_like(want)
-    got = (out, *torch.autograd.grad(out, ours, cot.to(DEVICE, torch.float32)))
-    assert_all_close(got, (want, *torch.autograd.grad(want, ref, cot)), FP32_TOL)
+    assert_fp32_equals_reference(part, q, k, v, part.mask(37, heads))
 
 
 # --- the layout -------------------------------------------------------------------------------
