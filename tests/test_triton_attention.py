@@ -321,3 +321,21 @@ def test_gpu_half_precision_at_a_realistic_shape(name, params, dtype):
         err = a.float() - b
         assert err.abs().max() <= 2e-2 * b.abs().max(), (label, float(err.abs().max()), float(b.abs().max()))
         assert err.norm() <= 1e-2 * b.norm(), (label, float(err.norm() / b.norm()))
+
+
+@pytest.mark.parametrize("method", [["s2"], ["dca", "--method-arg", "pretraining_length=64"]])
+def test_eval_refuses_triton_off_cuda_before_the_model_loads(method, tmp_path, monkeypatch, capsys):
+    """A CPU user who asks for backend=triton (a pattern or DCA) hears why in one line, before
+    any weights load, not at the first forward."""
+    from sparse_ft.cli import main
+    from sparse_ft.evaluation import loading
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(loading, "load", lambda *a, **k: pytest.fail("the model loaded before the refusal"))
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 20)
+    argv = ["eval", "ppl", "--model", "tiny", "--data", str(text), "--lengths", "64", "--device", "cpu",
+            "--method", *method, "--method-arg", "backend=triton"]
+    assert main(argv) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]  # after the data's progress bar
+    assert "backend='triton' cannot run here: it needs CUDA tensors" in last and last.endswith("or use sdpa")

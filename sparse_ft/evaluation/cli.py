@@ -130,9 +130,12 @@ def _load(args, method, tokenizer: bool = True):
     """The model and tokenizer (the method checked against the model's config before the
     weights load); says what the method reads from the config."""
     from sparse_ft.modeling.attention import pretrained
+    from sparse_ft.modeling.devices import default_device
+    from sparse_ft.modeling.dtypes import torch_dtype
     from sparse_ft.evaluation import loading
 
     args.model = args.model or loading.recorded_base(args.adapter)  # what the results record
+    method.check_device(args.device or default_device(), torch_dtype(args.dtype))
     model, tok = loading.load(args.model, args.adapter, args.dtype, args.load_in_4bit, load_in_8bit=args.load_in_8bit,
                               compute_dtype=args.bnb_compute_dtype, trust_remote_code=args.trust_remote_code,
                               device=args.device, tokenizer=tokenizer, allow_other_base=args.allow_other_base,

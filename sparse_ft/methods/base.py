@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from attn_patterns.algorithm import Algorithm
+from attn_patterns.kernels import triton_unsupported
 from attn_patterns.registry import Registry
 from sparse_ft.modeling.attention import use_attention
 
@@ -51,8 +52,23 @@ class Method:
     ) -> tuple[torch.Tensor, None]:
         raise NotImplementedError(f"method {self.name!r} leaves attention to the model")
 
+    @property
+    def backend(self) -> Optional[str]:
+        """The kernel this method was asked for (None: its automatic choice)."""
+        return None
+
     def check_model(self, config: Any) -> None:
         """Refuse a model this method cannot run when it is switched to, not mid-forward."""
+
+    def check_device(self, device: str, dtype: torch.dtype) -> None:
+        """Refuse, before the weights load, a kernel asked for that cannot run on ``device`` in
+        ``dtype``: the block-sparse Triton kernel needs CUDA (or the interpreter the tests set),
+        and a CPU user would otherwise learn it at the first forward, after the model loaded."""
+        if self.backend == "triton" and device != "auto":
+            why = triton_unsupported(torch.device(device).type, dtype)
+            if why is not None:
+                raise ValueError(f"{self.name}: backend='triton' cannot run here: {why}; leave backend unset (automatic) "
+                                 "or use sdpa")
 
     def check_length(self, seq_len: int) -> None:
         """Refuse a sequence length this method degenerates at (``ValueError``), before a model
@@ -122,6 +138,10 @@ class AlgorithmMethod(Method):
 
     def __repr__(self) -> str:
         return repr(self.algorithm)
+
+    @property
+    def backend(self) -> Optional[str]:
+        return getattr(self.algorithm, "backend", None)
 
 
 METHODS: Registry[Method] = Registry("method", Method)

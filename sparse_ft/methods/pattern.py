@@ -38,6 +38,10 @@ class PatternMethod(Method):
     def __repr__(self) -> str:
         return repr(self.pattern)
 
+    @property
+    def backend(self) -> Optional[str]:
+        return self.pattern.backend
+
     def check_model(self, config: Any) -> None:
         self.pattern.check_heads(geometry(config).heads)
 
