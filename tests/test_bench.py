@@ -359,3 +359,19 @@ def test_dense_kernel_and_call_peak_on_cuda():
         own.start()
         call()
     assert 64 <= own.mib < 96 and 128 <= region.mib < 160
+
+
+def test_bench_dca_says_failed_not_oom_where_longheads_could_not_run():
+    """A LongHeads run that failed for another reason than memory is not shown as OOM (the
+    H200's cuDNN pin refused its fp32 call and the table read OOM); the reason is in the notes."""
+    from sparse_ft.bench import dca
+
+    row = {"seq_len": 4096, "dense_kernel": None, "dca_ops": [], "dca_ms_min": 1.0, "dca_ms_median": 1.0,
+           "dense_ms_min": 1.0, "dense_ms_median": 1.0, "time_ratio": 1.0, "time_ratio_min": 1.0, "dca_tflops": 1.0,
+           "dense_tflops": 1.0, "dca_peak_mib": 1.0, "dense_peak_mib": 1.0, "memory_exponent": None,
+           "longheads_ms_median": None, "longheads_peak_mib": None, "longheads_vs_dca_throughput": None,
+           "errors": {"longheads": "no cudnn kernel for one of its SDPA calls"}}
+    table = dca.markdown([row])
+    assert "| failed | failed |" in table and "OOM" not in table and "no cudnn kernel" in table
+    table = dca.markdown([{**row, "errors": {"longheads": "OOM"}}])
+    assert "| OOM | OOM |" in table

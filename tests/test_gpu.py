@@ -152,3 +152,21 @@ def test_deepspeed_one_gpu_on_nccl(tmp_path):
     summary = json.loads((out / "train_summary.json").read_text())
     assert summary["world_size"] == 1 and summary["steps"] == 4
     assert_adapter_reproduces_probe(out)
+
+
+@pytest.mark.gpu
+def test_patterns_keep_grouped_kv_native_under_autocast(monkeypatch):
+    """Under autocast q arrives in fp32 and SDPA runs in the autocast dtype: the pieces must pass
+    K/V with fewer heads as they are (an H200 found them repeated per query head in every
+    recipe step, 12 KiB per token at 8B)."""
+    import torch.nn.functional as F
+
+    seen = []
+    real = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention",
+                        lambda q, k, v, **kw: seen.append(k.shape[1] < q.shape[1]) or real(q, k, v, **kw))
+    q = torch.randn(1, 8, 256, 64, device="cuda")
+    k, v = (torch.randn(1, 2, 256, 64, device="cuda") for _ in range(2))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        attn_patterns.get("s2")(q, k, v)
+    assert seen and all(seen)

@@ -268,7 +268,8 @@ def main_dca(args: argparse.Namespace) -> int:
     memory = dca.PEAK_MEMORY.get(device.type, "not measured")
     title = (f"DCA prefill vs causal SDPA, {dtype}, H={args.heads}/{args.kv_heads}, D={args.head_dim}, c={c}, s={s}, "
              f"w={w}, {_rounds(args)}, on {machine['machine']}. SDPA kernel: {_kernel_note(args)}, pinned for the "
-             f"baseline, DCA and LongHeads alike (DCA's fused ops, named below, are called directly). Ratios of the medians (and of the mins); TFLOP/s: 4·pairs·D over the causal pairs at the median. "
+             f"baseline and DCA (DCA's fused ops, named below, are called directly; LongHeads runs unpinned: its "
+             f"chunk representations are an fp32 call). Ratios of the medians (and of the mins); TFLOP/s: 4·pairs·D over the causal pairs at the median. "
              f"Peak memory: {memory}")
     rows = dca.run(lengths, args.heads, args.kv_heads, args.head_dim, pretraining_length=c, longheads=args.longheads, dtype=dtype,
                    device=str(device), warmup=args.warmup, repeats=args.repeats, sdpa_backend=_pinned(args))
