@@ -112,6 +112,33 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool) -> 
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, **extra)
 
 
+# The SDPA backends a pattern's strided pieces may run on CUDA: not cuDNN. With torch 2.11 and
+# cuDNN 9.19 (an H100 and an H200, 2026-11-26) its attention on the pieces' views returned
+# gradients off by more than 1 (scca_fixed, N=1000, D=64, bf16 and fp16), failed to execute its
+# graph at D=128, and read out of bounds in a 1B training step at 16k (an illegal memory access):
+# results/bench/sdpa-views-h200.txt. Dense calls on whole tensors keep SDPA's own choice.
+PIECE_SDPA = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
+_SDPA_ENABLED = {"FLASH_ATTENTION": "flash_sdp_enabled", "EFFICIENT_ATTENTION": "mem_efficient_sdp_enabled",
+                 "MATH": "math_sdp_enabled"}
+
+
+def piece_kernels(device_type: str):
+    """The context a pattern's pieces run SDPA in: on CUDA, the backends enabled now (a caller's
+    ``sdpa_kernel`` pin included) less cuDNN; a pin that leaves none fails as SDPA does ("No
+    available kernel"), naming why."""
+    from contextlib import nullcontext
+
+    if device_type != "cuda":
+        return nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    allowed = [getattr(SDPBackend, name) for name in PIECE_SDPA if getattr(torch.backends.cuda, _SDPA_ENABLED[name])()]
+    if not allowed:
+        raise RuntimeError("No available kernel for a pattern's strided pieces: SDPA is pinned to cuDNN, whose "
+                           f"attention is wrong on such views (attn_patterns.kernels.PIECE_SDPA: {', '.join(PIECE_SDPA)})")
+    return sdpa_kernel(allowed)
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, backend: str) -> torch.Tensor:
     """q ``(X, H, L, D)``, k/v ``(X, Hkv, L', D)`` with ``H % Hkv == 0`` -> ``(X, H, L, D)``,
     scale 1/sqrt(D): over every key, or square causal (``L == L'``: row u sees key rows

@@ -26,7 +26,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from attn_patterns.kernels import attend
+from attn_patterns.kernels import attend, piece_kernels
 
 
 @dataclass(frozen=True)
@@ -268,7 +268,8 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pieces: Sequence[Piec
     qs, ks, vs = (_Views.apply(x, writes) if plan.calls else () for x, writes in
                   ((q, plan.q), (k, plan.kv), (v, plan.kv)))
     parts = []
-    for call, qv, kv, vv in zip(plan.calls, qs, ks, vs):
-        out = attend(qv, kv, vv, causal=call.causal, backend=backend)
-        parts.append(out[:, :, call.skip :] if call.skip else out)
+    with piece_kernels(q.device.type):
+        for call, qv, kv, vv in zip(plan.calls, qs, ks, vs):
+            out = attend(qv, kv, vv, causal=call.causal, backend=backend)
+            parts.append(out[:, :, call.skip :] if call.skip else out)
     return _Assemble.apply((b, h, n, d), plan.out, *parts, *(out for _, out in extras))

@@ -3,6 +3,7 @@ a GPU: JSON and a markdown table with the command, rows per size, OOM recorded, 
 makes them trustworthy is tested with fakes: baseline and patterns run round-robin, every
 pattern call runs under the dense kernel's pinned backend, the arithmetic of the ratios."""
 
+import dataclasses
 import json
 import math
 
@@ -375,3 +376,21 @@ def test_bench_dca_says_failed_not_oom_where_longheads_could_not_run():
     assert "| failed | failed |" in table and "OOM" not in table and "no cudnn kernel" in table
     table = dca.markdown([{**row, "errors": {"longheads": "OOM"}}])
     assert "| OOM | OOM |" in table
+
+
+def test_patterns_beside_a_cudnn_baseline_are_pinned_to_flash():
+    """cuDNN is wrong on strided views (attn_patterns.kernels.PIECE_SDPA): beside a cuDNN
+    baseline the patterns' pieces are pinned to FlashAttention, and the table says so."""
+    from torch.backends import cuda
+
+    seen = []
+    cudnn = dense_kernel.DenseKernel("CUDNN_ATTENTION", ("aten::_scaled_dot_product_cudnn_attention",), ())
+    probe = lambda: seen.append((cuda.cudnn_sdp_enabled(), cuda.flash_sdp_enabled()))  # noqa: E731
+    cudnn.pin(probe)()
+    cudnn.pin(probe, pieces=True)()
+    assert cudnn.piece_backend == "FLASH_ATTENTION" and seen == [(True, False), (False, True)]
+    flash = dense_kernel.DenseKernel("FLASH_ATTENTION", (), ())
+    assert flash.piece_backend == "FLASH_ATTENTION"
+    row = next(iter(attention.run([32], [2], [8], ["s2"], warmup=0, repeats=1)))
+    table = attention.markdown([dataclasses.replace(row, dense_kernel=cudnn)])
+    assert "the patterns' SDPA pieces pinned to FLASH_ATTENTION (cuDNN is wrong on strided views)" in table

@@ -450,3 +450,23 @@ def test_attn_patterns_is_pure_torch():
         "assert LongHeads(chunk_size=4, chunks=3)(q, q[:, :2], q[:, :2]).shape == q.shape\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_pieces_never_run_cudnn_on_cuda():
+    """On CUDA the pieces' SDPA calls run with cuDNN left out of whatever is enabled (it returned
+    wrong gradients and read out of bounds on such views); a pin to cuDNN alone is refused as
+    SDPA refuses a call it has no kernel for. On a CPU nothing changes."""
+    from torch.backends import cuda
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from attn_patterns.kernels import piece_kernels
+
+    with piece_kernels("cuda"):
+        assert not cuda.cudnn_sdp_enabled() and cuda.flash_sdp_enabled() and cuda.mem_efficient_sdp_enabled()
+    assert cuda.cudnn_sdp_enabled()  # restored
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]), piece_kernels("cuda"):
+        assert not cuda.cudnn_sdp_enabled() and not cuda.flash_sdp_enabled() and cuda.mem_efficient_sdp_enabled()
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION), pytest.raises(RuntimeError, match="No available kernel.*cuDNN"):
+        piece_kernels("cuda")
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION), piece_kernels("cpu"):
+        assert cuda.cudnn_sdp_enabled()

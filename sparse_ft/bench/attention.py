@@ -111,10 +111,10 @@ def run(
         make = lambda heads_: torch.randn(1, heads_, n, d, generator=gen, device=dev, dtype=DTYPES[dtype], requires_grad=True)  # noqa: E731
         q, k, v = make(h), make(hk), make(hk)
         kernel = dense_kernel.find(_step(_dense, q, k, v), dev, sdpa_backend)
-        pin = kernel.pin if kernel else (lambda fn: fn)
+        pin = kernel.pin if kernel else (lambda fn, pieces=False: fn)
         chosen = {(backend, name): attn_patterns.get(name, backend=backend) for backend in backends for name in patterns}
         runs = {DENSE: pin(_step(_dense, q, k, v)),
-                **{key: pin(_step(pattern, q, k, v)) for key, pattern in chosen.items()}}
+                **{key: pin(_step(pattern, q, k, v), pieces=True) for key, pattern in chosen.items()}}
         with torch._dynamo.config.patch(cache_size_limit=FLEX_RECOMPILES):
             got = interleaved(runs, dev, warmup, repeats)
         del q, k, v, runs  # the runs hold them too
@@ -155,6 +155,7 @@ def markdown(rows: list[Row]) -> str:
             f"{cell(r.dense_tflops, '.3g', '–')} | {cell(r.peak_mib, '.0f', mine)} | {cell(r.dense_peak_mib, '.0f', dense)} |"
         )
     kernels = {r.dense_kernel: None for r in rows if r.dense_kernel}
-    notes = [f"- {k.label}: {k.backend}, {k.detail}" for k in kernels]
+    notes = [f"- {k.label}: {k.backend}, {k.detail}" + ("" if k.piece_backend == k.backend else
+             f"; the patterns' SDPA pieces pinned to {k.piece_backend} (cuDNN is wrong on strided views)") for k in kernels]
     notes += [f"- {r.pattern} ({r.backend}) at N={r.seq_len}: {r.error}" for r in rows if r.error not in (None, "OOM")]
     return "\n".join(lines + ([""] + notes if notes else []))

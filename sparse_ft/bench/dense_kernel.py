@@ -122,12 +122,23 @@ class DenseKernel:
         """The names a reader can look up: the device kernels (CUDA), else the ops."""
         return ", ".join(k for k in self.kernels if k) or ", ".join(self.ops)
 
-    def pin(self, run: Callable[[], object]) -> Callable[[], object]:
-        """``run`` with every SDPA call inside it restricted to this backend; a call it cannot
-        take raises :class:`Unrunnable` naming the backend."""
+    @property
+    def piece_backend(self) -> str:
+        """The backend a pattern's pieces are pinned to beside this baseline: the same one, unless
+        it is cuDNN, which pieces never run (``attn_patterns.kernels.PIECE_SDPA`` says why): then
+        the first they do run. The baseline keeps the fastest dense kernel either way."""
+        from attn_patterns.kernels import PIECE_SDPA
+
+        return self.backend if self.backend in PIECE_SDPA else PIECE_SDPA[0]
+
+    def pin(self, run: Callable[[], object], *, pieces: bool = False) -> Callable[[], object]:
+        """``run`` with every SDPA call inside it restricted to this backend (``pieces``: to
+        :attr:`piece_backend`, for a pattern's run); a call it cannot take raises
+        :class:`Unrunnable` naming the backend."""
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        backend = getattr(SDPBackend, self.backend)
+        name = self.piece_backend if pieces else self.backend
+        backend = getattr(SDPBackend, name)
 
         def pinned() -> object:
             with sdpa_kernel(backend):
@@ -136,8 +147,8 @@ class DenseKernel:
                 except RuntimeError as err:
                     if not any(message in str(err) for message in _NO_KERNEL):
                         raise
-                    raise Unrunnable(f"no {self.label} kernel for one of its SDPA calls "
-                                     f"(SDPA pinned to {self.backend}, the dense baseline's)") from None
+                    raise Unrunnable(f"no {name.removesuffix('_ATTENTION').lower()} kernel for one of its SDPA calls "
+                                     f"(SDPA pinned to {name}, beside the dense baseline's {self.backend})") from None
 
         return pinned
 
