@@ -59,9 +59,10 @@ def planner_terms(setup, n: int) -> dict[str, float]:
 
 def recorded(step) -> dict:
     """The step under the allocator's history; a failure of the recording itself (not an
-    out-of-memory) is kept as the breakdown's error and the step is left out, so the sweep goes on."""
+    out-of-memory) is kept as the breakdown's error, and the caller measures a plain step instead."""
     import torch
 
+    from sparse_ft.bench.memory_snapshot import record_peak
 
     errors = []
     for stacks in ("python", "all"):  # Python stacks failed inside the checkpoint's recomputation once (H200, torch 2.11)
@@ -127,7 +128,9 @@ def main() -> int:
             try:
                 if args.snapshot == n:
                     breakdown = recorded(lambda: step(n))
-                else:
+                if breakdown is None or "error" in breakdown:  # not recorded, or the recording failed: a plain step
+                    torch.cuda.reset_peak_memory_stats()
+                    t0 = time.perf_counter()
                     step(n)
                 torch.cuda.synchronize()
                 measured, seconds = torch.cuda.max_memory_allocated(), time.perf_counter() - t0

@@ -11,11 +11,16 @@
 #                                # 8B-shaped QLoRA step at 131k and 180k (what is alive at its peak), the longest fit
 #   scripts/gpu_bench.sh quick   # what a short lease affords (about 6 minutes): the Triton kernels' tests,
 #                                # attention 16k-128k (sdpa, triton), DCA and LongHeads 32k-128k, the 1B step at 64k
+#   scripts/gpu_bench.sh rest    # what quick leaves out, in one call of under 10 minutes: the recorded 2-layer
+#                                # QLoRA step, the 1B step 16k-32k of every pattern with its Amdahl bound, DCA and
+#                                # LongHeads 8k-128k, the longest 8B QLoRA fit around the planner's, the other gpu tests
 #
 # Every step has its own time cap; a capped step keeps the rows it measured (the JSON says
 # "complete": false). Results: results/bench/<name>-<gpu>.{json,md}, the machine in
-# results/bench/machine-<gpu>.txt; with $OUT set (the device tool) they and the part's log are
-# copied there too, to be committed from this side with the command above.
+# results/bench/machine-<gpu>.txt; with $OUT set (the device tool) the part's log is written there
+# and, after every step, $OUT/results.tar holds every result file so far (a call cut short by its
+# own limit still brings back what finished; one tar because a call brings back at most 8 files):
+# `tar xf results.tar` in the repository root, then commit.
 #
 # Nothing is installed from the network. Needs python3 (or $PYTHON) with CUDA torch and what the
 # device image has (accelerate, safetensors, pyyaml, tqdm, numpy, pyarrow, triton). The rest of
@@ -33,7 +38,7 @@ cd "$(dirname "$0")/.."
 PART=${1:-}
 PY=${PYTHON:-python3}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-case "$PART" in part1|part2|part3|quick) ;; *) echo "usage: scripts/gpu_bench.sh part1|part2|part3|quick" >&2; exit 2 ;; esac
+case "$PART" in part1|part2|part3|quick|rest) ;; *) echo "usage: scripts/gpu_bench.sh part1|part2|part3|quick|rest" >&2; exit 2 ;; esac
 
 if compgen -G ".whl/*.whl" >/dev/null; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
@@ -55,6 +60,14 @@ step() {  # step CAP_SECONDS NAME COMMAND...: run with a cap, log, go on whateve
     echo "== $name: $* (cap ${cap}s, $(date -u +%H:%M:%S))"
     timeout --signal=INT --kill-after=30 "$cap" "$@"
     echo "== $name: exit $?"
+    keep
+}
+
+keep() {  # with $OUT set: every result file written so far into $OUT/results.tar, replaced atomically
+    [ -n "${OUT:-}" ] || return 0
+    local have=()
+    for f in "${WROTE[@]}"; do [ -f "$f" ] && have+=("$f"); done
+    [ ${#have[@]} -gt 0 ] && tar cf "$OUT/.results.tar" "${have[@]}" && mv "$OUT/.results.tar" "$OUT/results.tar"
 }
 
 bench() {  # bench CAP NAME ARGS...: sparse-ft bench ARGS --output results/bench/NAME-GPU.json
@@ -82,6 +95,7 @@ for name in ("transformers", "peft", "accelerate", "triton", "flash_attn", "bits
         print(name, "not installed")
 EOF
     } | tee "$RES/machine-$GPU.txt"
+    keep
 }
 
 gpu_tests() {  # gpu_tests CAP PYTEST-ARGS...: the gpu-marked tests, their record committed
@@ -150,13 +164,23 @@ quick() {
     bench 70 train-1b train --model 1b --dtype bf16 --lengths 65536 --patterns s2,scca_flow,longmixed --warmup 1 --repeats 3
 }
 
+rest() {
+    machine
+    recorded_fit 80
+    train_1b 130 16384,32768
+    bench 60 dca-prefill dca --dtype bf16 --lengths 8192,16384,32768,65536,131072 --heads 32 --kv-heads 8 --head-dim 128 \
+        --pretraining-length 4096 --longheads --warmup 1 --repeats 5
+    # around the planner's longest fit on an 80 GB H100 (100,352 tokens on 79.2 GiB)
+    WROTE+=("$RES/fit-8b-$GPU.json" "$RES/fit-8b-$GPU.md")
+    step 180 fit-8b "$PY" scripts/fit_length.py --lengths 98304,106496 --output "$RES/fit-8b-$GPU.json" --overwrite
+    # the gpu tests quick did not run; DeepSpeed's (a minute of FusedAdam JIT build) passed on the H200 (gpu-tests-h200.md)
+    gpu_tests 100 tests/test_gpu.py tests/test_flex.py tests/test_bench.py tests/test_loss.py tests/test_activations.py \
+        tests/test_packed_sequences.py -k "not deepspeed"
+}
+
 exec > >(tee "$LOG") 2>&1
 echo "scripts/gpu_bench.sh $PART on $GPU, commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown), $(date -u)"
 "$PART"
 
-if [ -n "${OUT:-}" ]; then
-    for f in "${WROTE[@]}"; do
-        [ -f "$f" ] && cp "$f" "$OUT/"
-    done
-    ls -l "$OUT"
-fi
+keep
+[ -n "${OUT:-}" ] && tar tvf "$OUT/results.tar"

@@ -115,6 +115,8 @@ def markdown(rows: list[dict]) -> str:
         table.append(line)
     notes = {f"- SDPA kernel {r['dense_kernel'].label}: {r['dense_kernel'].backend}, {r['dense_kernel'].detail}": None
              for r in rows if r["dense_kernel"]}
-    notes.update({f"- DCA ran: {', '.join(r['dca_ops'])}": None for r in rows})
+    # an empty list on CUDA is DCA's prefill in one pass of its Triton kernel, which is no aten op
+    notes.update({f"- DCA ran: {', '.join(r['dca_ops']) or 'no aten attention op (its Triton kernel, attn_patterns.dca_triton)'}": None
+                  for r in rows})
     notes.update({f"- {name} at N={r['seq_len']}: {error}": None for r in rows for name, error in r["errors"].items()})
     return "\n".join(table + ([""] + list(notes) if notes else []))
