@@ -131,32 +131,44 @@ class Pattern:
         return self.visible(h, i, j, n=seq_len, num_heads=num_heads).expand(num_heads, seq_len, seq_len).clone()
 
     def check_length(self, seq_len: int, num_heads: Optional[int] = None) -> None:
-        """Refuse a sequence length at which a head lets no query see 2 keys: chunks of one
-        token (as many ``chunks`` as tokens, a dilation as long as the sequence) turn attention
-        into each token attending to itself alone, which would train and evaluate without a
-        word. ``num_heads`` defaults to the fewest heads the pattern takes. Read from the
-        progression in O(H·N); a pattern stated by ``rule`` alone is not checked."""
+        """Refuse a sequence length longer than :data:`~attn_patterns.checks.MAX_LENGTH`, or
+        one at which a head lets no query see 2 keys: chunks of one token (as many ``chunks``
+        as tokens, a dilation as long as the sequence) turn attention into each token
+        attending to itself alone, which would train and evaluate without a word.
+        ``num_heads`` defaults to the fewest heads the pattern takes. Read from
+        :meth:`widest`, arithmetic for the patterns of this package; a pattern stated by
+        ``rule`` alone is not checked."""
+        check_int("seq_len", seq_len, repr(self))
         heads = num_heads or self.fewest_heads()
-        if heads is None:
+        widest = None if heads is None else self.widest(seq_len, heads)
+        if widest is None:
             return
-        i = torch.arange(seq_len)[None, :]
-        block = max(1, (1 << 22) // seq_len)  # heads per step: at most ~4M entries
-        for first in range(0, heads, block):
-            h = torch.arange(first, min(heads, first + block))[:, None]
+        short = [h for h, count in enumerate(widest) if count < 2]
+        if short:
+            raise ValueError(
+                f"{self!r} at sequence length {seq_len}: no query of head {short[0]} (of {heads}) sees more than "
+                f"{widest[short[0]]} key, so attention would be switched off (fewer than 2 keys per chunk); "
+                "use fewer chunks / a smaller dilation, or longer sequences"
+            )
+
+    def widest(self, n: int, num_heads: int) -> Optional[list[int]]:
+        """Per head, the most keys any query sees at length ``n`` (causality included); None
+        for a pattern stated by ``rule`` alone. This default reads the progression in
+        O(H·N) row blocks; the patterns of this package state it in closed form, so that a
+        length is checked without building anything the length's size."""
+        i = torch.arange(n)[None, :]
+        block = max(1, (1 << 22) // n)  # heads per step: at most ~4M entries
+        out: list[int] = []
+        for first in range(0, num_heads, block):
+            h = torch.arange(first, min(num_heads, first + block))[:, None]
             try:
-                lo, hi, step = self.keys(h, i, seq_len, heads)
+                lo, hi, step = self.keys(h, i, n, num_heads)
             except NotImplementedError:
-                return
+                return None
             hi = torch.minimum(hi, i)
             count = torch.where(hi >= lo, torch.div(hi - lo, step, rounding_mode="floor") + 1, 0)
-            widest = count.expand(len(h), seq_len).max(dim=1).values
-            if bool((widest < 2).any()):
-                head = first + int((widest < 2).nonzero()[0])
-                raise ValueError(
-                    f"{self!r} at sequence length {seq_len}: no query of head {head} (of {heads}) sees more than "
-                    f"{int(widest[head - first])} key, so attention would be switched off (fewer than 2 keys per chunk); "
-                    "use fewer chunks / a smaller dilation, or longer sequences"
-                )
+            out += count.expand(len(h), n).max(dim=1).values.tolist()
+        return out
 
     def fewest_heads(self) -> Optional[int]:
         """The fewest heads the pattern can split (a multiple of ``head_multiple``, up to 256 of
@@ -242,6 +254,10 @@ class HeadSlice(Pattern):
 
     def keys(self, h, i, n, num_heads) -> Keys:
         return self.pattern.keys(h + self.offset, i, n, self.total)
+
+    def widest(self, n, num_heads):
+        whole = self.pattern.widest(n, self.total)
+        return None if whole is None else whole[self.offset : self.offset + num_heads]
 
     def rule(self, h, i, j, *, n, num_heads):
         return self.pattern.rule(h + self.offset, i, j, n=n, num_heads=self.total)

@@ -42,7 +42,7 @@ def triton_unsupported(device: str, dtype: torch.dtype, head_dim: Optional[int] 
     bf16 or fp32, or CPU tensors under Triton's interpreter in fp16 or fp32 (its bf16 ``tl.dot``
     is wrong); head dims up to 256. A pure function of the call, so recipes check it early."""
     if importlib.util.find_spec("triton") is None:
-        return "the triton package is not installed (pip install 'sparse-ft[dev]' or triton)"
+        return "the triton package is not installed (pip install '.[dev]' in a checkout of sparse-ft, or pip install triton)"
     if device == "cuda":
         allowed = (torch.float16, torch.bfloat16, torch.float32)
     elif device == "cpu" and triton_interpreted():
@@ -69,7 +69,7 @@ def resolve_backend(backend: Optional[str], q: torch.Tensor) -> str:
         if not (q.is_cuda and flash_available()):
             raise ValueError(
                 "backend='flash' needs the flash-attn package and CUDA tensors "
-                "(pip install 'sparse-ft[flash]' on a CUDA machine); use backend='sdpa'"
+                "(pip install '.[flash]' in a checkout of sparse-ft, on a CUDA machine); use backend='sdpa'"
             )
         if q.dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"backend='flash' needs fp16 or bf16 tensors, got dtype={q.dtype}; use backend='sdpa'")

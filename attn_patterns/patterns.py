@@ -15,7 +15,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from attn_patterns.base import PATTERNS, Keys, Pattern, chunk_size, register
-from attn_patterns.checks import check_int
+from attn_patterns.checks import HEADS_WHY, MAX_HEADS, check_int
 from attn_patterns.kernels import BACKENDS, causal_varlen, resolve_backend
 from attn_patterns.strided import Piece, Rows, run
 from attn_patterns.workspace import Workspace, kernel_call, pieces
@@ -112,6 +112,9 @@ class Causal(_Builtin):
     def keys(self, h, i, n, num_heads) -> Keys:
         return torch.zeros_like(i), i, torch.ones_like(i)
 
+    def widest(self, n, num_heads):
+        return [n] * num_heads
+
     def pieces(self, n, heads, *, offset, total):
         return [Piece(range(heads), Rows(0, n), Rows(0, n), causal=True)]
 
@@ -151,6 +154,9 @@ class Local(_Chunked):
         lo = i // w * w
         return lo, lo + w - 1, torch.ones_like(i)
 
+    def widest(self, n, num_heads):
+        return [self.sizes(n)[0]] * num_heads  # the first chunk is whole (w <= n)
+
     def pieces(self, n, heads, *, offset, total):
         return causal_blocks(range(heads), 0, n, self.sizes(n)[0])
 
@@ -165,6 +171,10 @@ class ShiftedChunks(_Chunked):
         w, g = self.sizes(n)
         start = torch.div(i - g, w, rounding_mode="floor") * w + g
         return start.clamp(min=0), start + w - 1, torch.ones_like(i)
+
+    def widest(self, n, num_heads):
+        w, g = self.sizes(n)
+        return [max(g, min(w, n - g))] * num_heads  # the partial chunk [0, g), or the next from g
 
     def pieces(self, n, heads, *, offset, total):
         w, g = self.sizes(n)
@@ -185,6 +195,10 @@ class RolledKeys(_Chunked):
         w, g = self.sizes(n)
         start = i // w * w - g
         return start.clamp(min=0), start + w - 1, torch.ones_like(i)
+
+    def widest(self, n, num_heads):
+        w, g = self.sizes(n)  # chunk 0 sees [0, w - g); chunk 1 its window, cut by the sequence's end
+        return [max(w - g, min(w, n - w + g)) if n > w else w - g] * num_heads
 
     def pieces(self, n, heads, *, offset, total):
         """Row u of chunk c sees the g keys before the chunk and its own chunk's keys up to u
@@ -227,6 +241,9 @@ class LaggedChunk(_Chunked):
         src = torch.where(c >= self.lag, c - self.lag, c)
         return src * w, src * w + w - 1, torch.ones_like(i)
 
+    def widest(self, n, num_heads):
+        return [self.sizes(n)[0]] * num_heads  # chunk 0 is whole and sees itself
+
     def pieces(self, n, heads, *, offset, total):
         w, _ = self.sizes(n)
         hs, lag = range(heads), self.lag
@@ -265,6 +282,9 @@ class Dilated(_Builtin):
         lo = torch.where(on, r, 1)
         hi = torch.where(on, i, 0)  # hi < lo: nothing visible
         return lo, hi, torch.full_like(i, self.dilation)
+
+    def widest(self, n, num_heads):
+        return [len(range(h % self.dilation, n, self.dilation)) for h in range(num_heads)]
 
     def pieces(self, n, heads, *, offset, total):
         """Per residue r, the heads h with (offset + h) % dilation == r (every dilation-th head)
@@ -357,6 +377,15 @@ class Mixed(_Builtin):
             lo, hi, step = (torch.where(inside, new, old) for new, old in ((p_lo, lo), (p_hi, hi), (p_step, step)))
         return lo, hi, step
 
+    def widest(self, n, num_heads):
+        out: list[int] = []
+        for pattern, start, end in self.split(num_heads):
+            part = pattern.widest(n, end - start)
+            if part is None:
+                return None
+            out += part
+        return out
+
     def rule(self, h, i, j, *, n, num_heads):
         """Each part's own rule on its heads (works for parts stated as a mask_mod only)."""
         out = None
@@ -418,7 +447,7 @@ def scca_fixed(chunks: int = 4, backend: Optional[str] = None) -> Mixed:
 def scca_flow(chunks: int = 4, backend: Optional[str] = None) -> Mixed:
     """SCCA flow: ``chunks`` head groups, group k looks k chunks back, so across the heads every
     query chunk reaches each of the ``chunks`` chunks up to itself."""
-    check_int("chunks", chunks, "scca_flow")
+    check_int("chunks", chunks, "scca_flow", most=MAX_HEADS, why=HEADS_WHY)  # one head group per chunk, built below
     parts = [(LaggedChunk(chunks, lag), 1.0 / chunks) for lag in range(chunks)]
     rule = f"one group of num_heads/chunks heads per look-back 0..{chunks - 1}; lower chunks or change heads"
     return Mixed(parts, backend, name="scca_flow", head_multiple=chunks, head_rule=rule, chunks=chunks)

@@ -25,7 +25,7 @@
 # Nothing is installed from the network. Needs python3 (or $PYTHON) with CUDA torch and what the
 # device image has (accelerate, safetensors, pyyaml, tqdm, numpy, pyarrow, triton). The rest of
 # the lock's versions travel as wheels in .git/info/exclude'd .whl/ (carried; this script installs
-# any .whl/*.whl into /tmp/site, ahead of the image's packages): on 2026-11-26 transformers 5.23.0,
+# any .whl/*.whl into a private temporary directory, ahead of the image's packages): on 2026-11-26 transformers 5.23.0,
 # peft 0.21.2, datasets 5.2.0, dill, multiprocess, hjson, pydantic 2.14.3 + pydantic-core 2.50.4,
 # annotated-types, typing-inspection, typing-extensions 4.16.0 (`python3 -m pip download --no-deps
 # --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_17_x86_64 -d .whl
@@ -39,10 +39,15 @@ PART=${1:-}
 PY=${PYTHON:-python3}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 case "$PART" in part1|part2|part3|quick|rest) ;; *) echo "usage: scripts/gpu_bench.sh part1|part2|part3|quick|rest" >&2; exit 2 ;; esac
+# this run's own temporary directory (fixed names in the shared /tmp could be another user's, or
+# another run's): the wheels are installed there and removed at exit; the log stays there when
+# $OUT is unset (its path is printed)
+SCRATCH=$(mktemp -d "${TMPDIR:-/tmp}/gpu_bench.XXXXXXXX") || exit 1
+trap 'rm -rf "$SCRATCH/site"; rmdir "$SCRATCH" 2>/dev/null' EXIT  # kept only when the log is in it
 
 if compgen -G ".whl/*.whl" >/dev/null; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-    export PYTHONPATH="$PYTHONPATH:/tmp/site"
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SCRATCH/site" .whl/*.whl || exit 1
+    export PYTHONPATH="$PYTHONPATH:$SCRATCH/site"
 fi
 GPU=$("$PY" -c 'import torch; assert torch.cuda.is_available(); print(torch.cuda.get_device_name().split()[1].lower())') \
     || { echo "scripts/gpu_bench.sh: no CUDA device for $PY" >&2; exit 1; }
@@ -50,7 +55,7 @@ GPU=$("$PY" -c 'import torch; assert torch.cuda.is_available(); print(torch.cuda
 # entries such as the Hopper images' 9.0a (the trainer refuses them by name): the plain arch instead
 [ -n "${TORCH_CUDA_ARCH_LIST:-}" ] && export TORCH_CUDA_ARCH_LIST=$(sed -E 's/([0-9]+\.[0-9]+)[a-z]+/\1/g' <<<"$TORCH_CUDA_ARCH_LIST")
 RES=results/bench
-LOG=${OUT:-/tmp}/gpu-$PART-$GPU.log
+LOG=${OUT:-$SCRATCH}/gpu-$PART-$GPU.log
 mkdir -p "$RES"
 WROTE=()
 
@@ -179,7 +184,7 @@ rest() {
 }
 
 exec > >(tee "$LOG") 2>&1
-echo "scripts/gpu_bench.sh $PART on $GPU, commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown), $(date -u)"
+echo "scripts/gpu_bench.sh $PART on $GPU, commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown), $(date -u); log: $LOG"
 "$PART"
 
 keep

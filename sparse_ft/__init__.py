@@ -21,4 +21,13 @@ def use_attention(model: Any, spec: Any, **params: Any) -> Any:
     return attention.use_attention(model, methods.resolve(spec, "pattern", **params))
 
 
-__all__ = ["use_attention", "__version__"]
+def load(adapter_dir: Any, base: Any = None, **kwargs: Any) -> Any:
+    """An adapter written by ``sparse-ft train`` over its base, with the RoPE configuration it
+    was trained with and the base's weights checked: ``sparse_ft.modeling.model_io.load_adapter_model``
+    (``kwargs``: its dtype, trust_remote_code, allow_other_base, from_pretrained arguments)."""
+    from sparse_ft.modeling.model_io import load_adapter_model
+
+    return load_adapter_model(adapter_dir, base, **kwargs)
+
+
+__all__ = ["load", "use_attention", "__version__"]

@@ -21,6 +21,7 @@ from sparse_ft.train.stopping import RunStopped
 COMMANDS = {
     "train": "sparse_ft.train.cli",
     "eval": "sparse_ft.evaluation.cli",
+    "generate": "sparse_ft.evaluation.generate",
     "merge": "sparse_ft.modeling.merge",
     "pretrain": "sparse_ft.experiment.pretrain",
     "experiment": "sparse_ft.experiment.run",
@@ -79,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
     (a stop signal, a divergence) is its one line and its own code (``sparse_ft.train.stopping``),
     Ctrl-C anywhere else one line and 130."""
     console.set_verbosity(args.verbosity)
+    console.library_logs_to_stderr()
     try:
         return int(args.func(args) or 0)
     except (ValueError, OSError) as err:

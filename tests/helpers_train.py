@@ -90,10 +90,20 @@ def train_py(*argv: str) -> int:
         sys.argv = saved
 
 
+def default_stop_signals() -> None:
+    """A child's SIGINT and SIGTERM set to their default action before it runs (``preexec_fn``).
+    A suite started from a shell that ignores them (``nohup``, a background job) passes the
+    ignored disposition on to every child, and the trainer leaves an ignored signal ignored on
+    purpose: a test that sends one would find it did nothing."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_DFL)
+
+
 def start(argv: list[str], stderr=subprocess.DEVNULL) -> subprocess.Popen:
-    """A child Python; its stderr where ``stderr`` says (a file: a pipe nobody reads may fill)."""
+    """A child Python, stop signals at their default (:func:`default_stop_signals`); its stderr
+    where ``stderr`` says (a file: a pipe nobody reads may fill)."""
     return subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=stderr,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, preexec_fn=default_stop_signals)
 
 
 def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 300) -> None:

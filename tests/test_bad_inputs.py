@@ -18,6 +18,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_LINE = json.dumps({"text": "def f():\n    return 1\n" * 20})
+CHAT_LINE = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]})
+CHAT_TEMPLATE = "data.chat_template='{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}'"
 
 
 def jsonl(content):
@@ -50,6 +52,8 @@ def model_dir(*files, config=None):
 TINY_RECIPE = "inherit: tiny\n"
 PICKLED = [("pytorch_model.bin", b"\x80\x04pickled")]
 CUT_SHORT = [("model.safetensors", b"\x10\x00\x00\x00\x00\x00\x00\x00{}")]
+# issue 31: nine levels of aliases, 9^9 tags once expanded (grew past 1 GB before it was refused)
+ALIAS_BOMB = "[&a [x,x,x,x,x,x,x,x,x], " + ", ".join(f"&{b} [{', '.join([f'*{a}'] * 9)}]" for a, b in zip("abcdefgh", "bcdefghi")) + "]"
 
 
 # overrides (DATA: the path the data column returns, else the test's directory), data, message
@@ -101,6 +105,43 @@ CASES = {
     "tiny config no model can be built from": (
         ["model.tiny.intermediate_size=-1"], None,
         r"model.tiny=\{'intermediate_size': -1\} is invalid: a llama model cannot be built from it \(RuntimeError: .*negative dimension"),
+    # issue 31 item 4: sizes bounded before anything is built for them
+    "target length past float32 positions": (
+        ["model.target_length=1000000000000"], None,
+        r"recipe key model.target_length=1000000000000 is invalid: at most 16,777,216 tokens \(RoPE positions are float32"),
+    "target length of 31 digits": (
+        [f"model.target_length={10**30}"], None, r"model.target_length=1000000000000000000000000000000 is invalid: at most 16,777,216"),
+    "target length whose RoPE factor is past the limit": (
+        ["model.target_length=1000000000000", "data.seq_len=512"], None, r"model.target_length=1000000000000 is invalid: at most 16,777,216"),
+    "RoPE factor past the limit": (
+        ["model.target_length=1000000", "data.seq_len=512"], None,
+        r"recipe key model.target_length=1000000 is invalid: RoPE factor 3,906.25 \(the model's pretraining context of 256 tokens "
+        r"extended 3,906.25x\) is above 64: published PI / YaRN extensions reach 16-32x; at most 16,384 tokens on this model$"),
+    # issue 32 item 4: the pretraining context a config overstates (Qwen2.5-7B), from which RoPE extends
+    "native length past the config's window": (
+        ["model.native_length=512"], None,
+        r"recipe key model.native_length=512 is invalid: native_length=512 must be a positive integer up to the config's "
+        r"max_position_embeddings=256$"),
+    "native length of zero": (
+        ["model.native_length=0"], None,
+        r"recipe key model.native_length=0 is invalid: a positive number of tokens \(the model's pretraining context\), or null"),
+    "pattern chunks of 400 digits": (
+        [f"attention.params.chunks={'1' * 400}"], None,
+        r"attention.params: scca_flow: chunks=111111\.\.\. \(400 digits\) must be an integer <= 1,024 \(one head group each"),
+    "dilation past any length": (
+        ["attention.pattern=sda", f"attention.params.dilation={10**30}"], None,
+        r"sda: dilation=1000000000000000000000000000000 must be an integer <= 16,777,216 \(RoPE positions are float32"),
+    "validation length past any length": (
+        ["validation.lengths=[512,100000000000]"], None,
+        r"recipe key validation.lengths=\[512, 100000000000\] is invalid: at most 16,777,216 tokens"),
+    "tiny model larger than the machine": (
+        ["model.tiny.hidden_size=1000000"], None,
+        r"model.tiny=\{'hidden_size': 1000000\} is invalid: its 5,001,541,000,000 parameters take 18,632.2 GiB in float32, "
+        r"more than this machine's .* GiB of memory$"),
+    "LoRA rank past the layers' sides": (
+        ["lora.r=100000000"], None,
+        r"recipe key lora.r=100000000 is invalid: at most 16, the smaller side of model.layers.0.self_attn.k_proj \(16 x 64\): "
+        r"a rank past it adds parameters, not rank$"),
     "heads not divisible by the pattern": (
         ["attention.params.chunks=3"], None,
         r"recipe key attention.params=\{'chunks': 3\} is invalid: scca_flow: num_heads=8 must be divisible by 3"),
@@ -110,6 +151,10 @@ CASES = {
     "sequence parallelism not dividing the sequence": (
         ["deepspeed=zero3_cpu_fp32", "train.sequence_parallel_size=2", "data.seq_len=511"], None,
         r"train.sequence_parallel_size=2 is invalid: must divide the sequence length data.seq_len=511"),
+    "gpus the recipe is written for not a multiple of the sequence-parallel size": (
+        ["deepspeed=zero3_cpu_fp32", "train.sequence_parallel_size=2", "train.gpus=3"], None,
+        r"recipe key train.gpus=3 is invalid: a positive multiple of train.sequence_parallel_size=2 \(the GPUs the recipe "
+        r"is written for\), or null$"),
     "unknown packing": (
         ["data.packing=tight"], None, r"recipe key data.packing='tight' is invalid: allowed: blocks, padding_free"),
     "sequence parallelism not dividing the heads": (
@@ -132,6 +177,10 @@ CASES = {
     "validation held-out file missing": (
         ["validation.every_steps=2", "validation.data=DATA/held_out.jsonl"], None,
         r"recipe key validation.data='.*/held_out.jsonl' is invalid: .*held_out.jsonl does not exist"),
+    # issue 31: the held-out data's errors name validation.data, not training's data.source
+    "validation held-out directory without data files": (
+        ["validation.every_steps=2", "validation.data=DATA"], lambda tmp: (tmp / "held").mkdir() or tmp / "held",
+        r"recipe key validation.data='(.*/held)' is invalid: \1: directory holds no .jsonl, .json, .parquet, .txt files$"),
     "validation steps negative": (["validation.every_steps=-1"], None, r"recipe key validation.every_steps=-1 is invalid: must be >= 0"),
     "validation attention unknown": (
         ["validation.attention=s2"], None, r"recipe key validation.attention='s2' is invalid: allowed: full, training"),
@@ -141,6 +190,49 @@ CASES = {
     "validation length the training pattern refuses": (
         ["validation.at_end=true", "validation.tasks=[passkey]", "validation.attention=training", "validation.lengths=[3]"], None,
         r"recipe key validation.lengths=\[3\] is invalid: .* \(passkey through validation.attention=training: scca_flow\)"),
+    # issue 31: what eval refuses, checked by the same code, naming the recipe's key, before anything is written
+    "validation ppl window of one token": (
+        ["validation.at_end=true", "validation.data=DATA", "validation.lengths=[1]"], jsonl(TINY_LINE + "\n"),
+        r"recipe key validation.lengths entry 1: a window needs >= 2 tokens \(its first predicts the second\)$"),
+    "validation ppl stride longer than the window": (
+        ["validation.at_end=true", "validation.data=DATA", "validation.lengths=[256]", "validation.params={ppl: {stride: 300}}"],
+        jsonl(TINY_LINE + "\n"), r"recipe key validation.params.ppl.stride=300 is longer than the window validation.lengths "
+        r"entry 256: the 44 tokens between two windows would never be scored; use validation.params.ppl.stride <= 256$"),
+    "validation ppl scoring unknown": (
+        ["validation.at_end=true", "validation.data=DATA", "validation.params={ppl: {scoring: bogus}}"], jsonl(TINY_LINE + "\n"),
+        r"recipe key validation.params.ppl.scoring='bogus' is unknown; allowed: standard, longlora$"),
+    "validation passkey length shorter than its prompt": (
+        ["validation.at_end=true", "validation.tasks=[passkey]", "validation.lengths=[16]"], None,
+        r"recipe key validation.lengths entry 16 is shorter than the passkey prompt without filler: \d+ tokens of this tokenizer$"),
+    "validation harness limit": (
+        ["validation.at_end=true", "validation.tasks=[harness]", "validation.params={harness: {tasks: [x], limit: 1.5}}"], None,
+        r"recipe key validation.params.harness.limit=1.5 must be a whole number >= 1 or a fraction in \(0, 1\)$"),
+    "validation harness without tasks": (
+        ["validation.at_end=true", "validation.tasks=[harness]"], None,
+        r"recipe key validation.params.harness.tasks=None must list lm-eval task, group or tag names$"),
+    "validation passkey trials negative": (
+        ["validation.at_end=true", "validation.tasks=[passkey]", "validation.params={passkey: {trials: -1}}"], None,
+        r"recipe key validation.params.passkey.trials=-1 must be an integer >= 1$"),
+    "validation passkey depth outside [0, 1]": (
+        ["validation.at_end=true", "validation.tasks=[passkey]", "validation.params={passkey: {depths: [0.5, 2]}}"], None,
+        r"recipe key validation.params.passkey.depths entry 2 must be a number in \[0, 1\]$"),
+    "validation task length not positive": (
+        ["validation.at_end=true", "validation.tasks=[passkey]", "validation.params={passkey: {lengths: [512, 0]}}"], None,
+        r"recipe key validation.params.passkey.lengths entry 0 must be a positive integer$"),
+    "validation task length beyond what RoPE takes": (
+        ["validation.at_end=true", "validation.tasks=[passkey]", "validation.params={passkey: {lengths: [1000000000000]}}"],
+        None, r"recipe key validation.params.passkey.lengths entry 1000000000000: at most 16,777,216 tokens"),
+    "validation RULER prompts beyond memory": (
+        ["validation.at_end=true", "validation.tasks=[niah_single_1]", "validation.lengths=[1000000]",
+         "validation.params={niah_single_1: {samples: 100000000}}"], None,
+        r"recipe key validation.lengths entry 1000000: its prompts need about [\d,.]+ GiB of memory \(1024 bytes a "
+        r"token to build one, and 48 a token to keep each of its 100000000 prompts per length\), more than the [\d,.]+ "
+        r"GiB available here; lower it$"),
+    "validation RULER length beyond its words": (
+        ["validation.at_end=true", "validation.tasks=[fwe]", "validation.params={fwe: {coded_wordlen: 2}}",
+         "validation.lengths=[100000]"], None,
+        r"recipe key validation.lengths entry 100000 is longer than fwe can build: at most 16,999 tokens \(a coded word per "
+        r"50 tokens, and 2-letter words give 338 \(half of 26\^2\); raise coded_wordlen or set vocab_size\)$"),
     "flash in float32": (
         ["attention.backend=flash"], None,
         r"recipe key attention.backend='flash' is invalid: flash-attn computes in float16/bfloat16 only and model.dtype is float32"),
@@ -185,6 +277,36 @@ CASES = {
     "jsonl without the text column": (
         ["data.source=DATA", "data.text_column=body"], jsonl(TINY_LINE + "\n"),
         r"data.source .*/docs.jsonl has no column 'body'; its columns: text \(set data.text_column\)"),
+    # issue 32: chat and instruction rows, their template
+    "data format unknown": (
+        ["data.format=sharegpt"], None, r"recipe key data.format='sharegpt' is invalid: allowed: text, chat, instruction$"),
+    "chat row without an assistant turn": (
+        ["data.source=DATA", "data.format=chat", CHAT_TEMPLATE], jsonl(CHAT_LINE.replace("assistant", "user") + "\n"),
+        r"data.source .*/docs.jsonl line 1: no assistant turn; the loss trains on assistant turns alone, so a chat row needs at least one$"),
+    "chat row with an unknown role": (
+        ["data.source=DATA", "data.format=chat", CHAT_TEMPLATE], jsonl(CHAT_LINE + "\n" + CHAT_LINE.replace("user", "human") + "\n"),
+        r"data.source .*/docs.jsonl line 2: message 0 has role 'human'; allowed: system, user, assistant, tool$"),
+    "chat row without messages": (
+        ["data.source=DATA", "data.format=chat", CHAT_TEMPLATE], jsonl(TINY_LINE + "\n"),
+        r"data.source .*/docs.jsonl line 1: a chat row holds 'messages', a non-empty list of \{role, content\} objects; this row's keys: text$"),
+    "chat template the tokenizer lacks": (
+        ["data.source=DATA", "data.format=chat"], jsonl(CHAT_LINE + "\n"),
+        r"^train.py: error: data.chat_template is not set and the model's tokenizer has no chat template: set data.chat_template"),
+    "chat template not Jinja": (
+        ["data.source=DATA", "data.format=chat", "data.chat_template='{% for %}'"], jsonl(CHAT_LINE + "\n"),
+        r"data.chat_template: not a valid Jinja template \(line 1: Expected an expression, got 'end of statement block'\)$"),
+    "chat template failing on a row": (
+        ["data.source=DATA", "data.format=chat", "data.chat_template='{{ raise_exception(\"no tools here\") }}'"],
+        jsonl(CHAT_LINE + "\n"), r"data.source .*/docs.jsonl line 1: data.chat_template cannot render this row \(no tools here\)$"),
+    "chat template file missing": (
+        ["data.format=chat", "data.chat_template=DATA/chat.jinja"], None,
+        r"recipe key data.chat_template='.*/chat.jinja' is invalid: a Jinja chat template \(text with \{\{ or \{%\), or the path"),
+    "chat template without chat rows": (
+        [CHAT_TEMPLATE], None, r"recipe key data.chat_template=.* is invalid: only applies with data.format=chat, not text$"),
+    "instruction row without output": (
+        ["data.source=DATA", "data.format=instruction"], jsonl(json.dumps({"instruction": "Say hi.", "answer": "hi"}) + "\n"),
+        r"data.source .*/docs.jsonl line 1: an instruction row holds text 'instruction' and 'output' \(and 'input', optional\); "
+        r"its 'output' is missing$"),
     # issue 20: tracebacks before, one line now
     "recipe given as a path without .yaml": (
         ["recipe=DATA"], file("mine.yaml", TINY_RECIPE, given="mine"),
@@ -197,6 +319,31 @@ CASES = {
     "recipe inheriting a list": (
         ["recipe=DATA"], file("r.yaml", "inherit: [tiny]\n"),
         r"recipe .*/r.yaml: inherit=\['tiny'\] must name one recipe \(a name under recipes/ or a .yaml path\)"),
+    # issue 31: bounded parsing, no key silently given twice
+    "recipe with an alias bomb under a valid key": (
+        ["recipe=DATA"], file("r.yaml", f"inherit: tiny\ntrain:\n  wandb:\n    tags: {ALIAS_BOMB}\n"),
+        r"recipe .*/r.yaml: YAML anchor &a at line 4, column 12 is refused \(anchors and aliases can expand"),
+    "override with an alias bomb": (
+        [f"attention.params.x={ALIAS_BOMB}"], None, r"override 'attention.params.x=\[&a .*': YAML anchor &a at line 1, column 2"),
+    "recipe with an alias": (
+        ["recipe=DATA"], file("r.yaml", "inherit: tiny\nmodel:\n  target_length: &n 1024\ndata:\n  seq_len: *n\n"),
+        r"recipe .*/r.yaml: YAML anchor &n at line 3, column 18 is refused"),
+    "recipe with a section given twice": (
+        ["recipe=DATA"], file("r.yaml", "inherit: tiny\ntrain:\n  lr: 1.0e-3\ntrain:\n  max_steps: 2\n"),
+        r"recipe .*/r.yaml: key train is given twice, at lines 2 and 4; keep one \(YAML would silently keep the last\)$"),
+    "recipe with a key given twice": (
+        ["recipe=DATA"], file("r.yaml", "inherit: tiny\ntrain:\n  lr: 1.0e-3\n  max_steps: 2\n  lr: 5.0\n"),
+        r"recipe .*/r.yaml: key train.lr is given twice, at lines 3 and 5; keep one"),
+    "inherited recipe with a key given twice": (
+        ["recipe=DATA"], lambda tmp: (_write(tmp / "base.yaml", "inherit: tiny\nattention:\n  params: {chunks: 2, chunks: 4}\n"),
+                                      _write(tmp / "r.yaml", "inherit: base.yaml\n"))[1],
+        r"recipe .*/base.yaml: key attention.params.chunks is given twice, at line 3, columns 12 and 23"),
+    "override with a key given twice": (
+        ["model.tiny={hidden_size: 32, hidden_size: 64}"], None,
+        r"override 'model.tiny=\{hidden_size: 32, hidden_size: 64\}': key hidden_size is given twice, at line 1, columns 2 and 19"),
+    "DeepSpeed JSON with a key given twice": (
+        ["deepspeed=DATA"], file("ds.json", '{"zero_optimization": {"stage": 2},\n "zero_optimization": {"stage": 3}}'),
+        r"recipe key deepspeed='.*/ds.json': key zero_optimization is given twice, at lines 1 and 2; keep one \(JSON would"),
     "DeepSpeed JSON that is a list": (
         ["deepspeed=DATA"], file("ds.json", "[1, 2]"),
         r"recipe key deepspeed='.*/ds.json' holds a JSON list, not an object of DeepSpeed settings"),
@@ -244,6 +391,11 @@ CASES = {
         r"context needs a positive one"),
     "pattern missing a required parameter": (
         ["attention.pattern=mixed"], None, r"mixed: parameter\(s\) parts required \(it has no default\); allowed: parts, backend"),
+    "pattern unknown lists the trainable ones only": (
+        ["attention.pattern=scca"], None,
+        r"pattern='scca' is unknown; allowed: full, causal, sda, s2, scca_fixed, scca_flow, longmixed, mixed$"),
+    "training-free method as the pattern": (
+        ["attention.pattern=dca"], None, r"pattern='dca' cannot train \(it is a training-free method\); allowed: full, causal, "),
     "base with pickled weights only": (
         ["model.name_or_path=DATA"], model_dir(*PICKLED),
         r"model.name_or_path='.*/m' is invalid: .*/m holds pickled weights only \(pytorch_model.bin\); sparse-ft reads safetensors only"),
@@ -314,6 +466,68 @@ def test_an_earlier_runs_directory_is_left_as_it_was(tmp_path, monkeypatch, caps
     assert listing(out) == before and (out / "log.jsonl").read_text() == "{}\n"
 
 
+@pytest.mark.parametrize("place", ["a file", "a read-only directory"])
+def test_a_bad_tensorboard_directory_is_refused_before_anything_loads(place, tmp_path, monkeypatch, capsys, train_main):
+    """Issue 31: TENSORBOARD_LOGGING_DIR is checked in preflight as train.output_dir is (it was a
+    traceback once the model had loaded). The suite may run as root, who writes anywhere: the
+    read-only place is simulated."""
+    target = tmp_path / "tb"
+    if place == "a file":
+        target.write_text("x")
+        why = f"{target} is a file"
+    else:
+        target.mkdir()
+        access = os.access
+        monkeypatch.setattr(os, "access", lambda path, mode, **kw: Path(path) != target and access(path, mode, **kw))
+        why = f"{target} is not writable here"
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(target))
+    out = tmp_path / "run"
+    line = run_refused(train_main, monkeypatch, capsys, argv(out, tmp_path / "cache", "train.report_to=[tensorboard]"))
+    assert line == (f"train.py: error: TENSORBOARD_LOGGING_DIR={target}: TensorBoard's directory {target} (train.report_to "
+                    f"has tensorboard) cannot be made: {why}; name a writable directory, or unset TENSORBOARD_LOGGING_DIR "
+                    "(then train.output_dir/tensorboard)")
+    assert not out.exists() and not (tmp_path / "cache").exists()
+
+
+def test_an_alias_bomb_is_refused_at_once(tmp_path):
+    """Issue 31: the 9^9-tag recipe (and the same as an override) is refused while it is parsed,
+    not once it has grown; the valid key it sits under changes nothing."""
+    import time
+
+    from sparse_ft.config import load_recipe
+
+    recipe = _write(tmp_path / "r.yaml", f"inherit: tiny\ntrain:\n  wandb:\n    tags: {ALIAS_BOMB}\n")
+    for name, overrides in ((str(recipe), []), ("tiny", [f"attention.params.x={ALIAS_BOMB}"])):
+        began = time.perf_counter()
+        with pytest.raises(ValueError, match="YAML anchor &a at line"):
+            load_recipe(name, overrides)
+        assert time.perf_counter() - began < 0.5
+
+
+def test_a_validation_failing_mid_training_saves_its_step_and_ends_in_one_line(tmp_path, monkeypatch, capsys, train_main):
+    """What no check foresees (here a task running out of memory at step 1 of 3, checkpoints
+    every 4): the step's checkpoint is saved, then one line and exit 1, no adapter."""
+    from sparse_ft.evaluation.tasks.passkey import Passkey
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB\nsee the allocator's documentation")
+
+    monkeypatch.setattr(Passkey, "evaluate", out_of_memory)
+    out = tmp_path / "run"
+    monkeypatch.setattr(sys, "argv", argv(out, tmp_path / "cache", "train.max_steps=3", "train.save_steps=4",
+                                          "validation.every_steps=1", "validation.tasks=[passkey]", "validation.lengths=[300]",
+                                          "validation.params={passkey: {depths: [0.5], trials: 1}}"))
+    code = train_main()
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err, err
+    lines = [line.rsplit("\r", 1)[-1] for line in err.split("\n") if line.rsplit("\r", 1)[-1].strip()]
+    assert lines[-1] == ("train.py: error: validation after step 1 failed (RuntimeError: CUDA out of memory. Tried to "
+                         "allocate 2.00 GiB see the allocator's documentation); saved checkpoint-1: correct the recipe's "
+                         "validation keys and resume with the same command"), err
+    assert sum("error" in line for line in lines) == 1
+    assert (out / "checkpoint-1" / "meta.json").is_file() and not (out / "adapter").exists()
+
+
 @pytest.mark.slow
 def test_the_command_line_exits_2_without_a_traceback(tmp_path):
     empty = _write(tmp_path / "empty.jsonl", "")
@@ -382,6 +596,25 @@ BENCH = ["--lengths", "64", "--repeats", "1", "--warmup", "0"]
 CLI_CASES = {
     "eval results and plot into one file": (
         [*PPL, "--output", "OUT/r.png", "--plot", "OUT/r.png"], None, r"--plot .*/out/r.png is also --output: name two different files"),
+    # sparse-ft generate: the prompts, the sampling values and each prompt's length, before the weights load
+    "generate without prompts": (
+        ["generate", "--model", "BASE"], None, r"no prompts \(no PROMPT argument and no --file\); give PROMPT arguments or --file"),
+    "generate an empty prompt": (["generate", "--model", "BASE", "x", " "], None, r"prompt 2 is empty$"),
+    "generate a prompt longer than the model's context": (
+        ["generate", "--model", "BASE", "--max-new-tokens", "16", "x", "y" * 250], None,
+        r"prompt 2 has 250 tokens; --method full allows 256 on this model, --max-new-tokens 16 included \(at most 240 prompt tokens\)"),
+    "generate from a JSON line without a prompt": (
+        ["generate", "--model", "BASE", "--file", "DATA"], cli_file("p.jsonl", '{"prompt": "a"}\n\n{"text": "b"}\n'),
+        r"prompt 2 \(line 3 of .*p.jsonl\): unknown key\(s\) text; allowed: prompt, context"),
+    "generate at a negative temperature": (
+        ["generate", "--model", "BASE", "--temperature", "-1", "x"], None, r"--temperature -1.0 must be a finite number >= 0"),
+    "generate greedy with a top-p": (
+        ["generate", "--model", "BASE", "--top-p", "0.9", "x"], None, r"--top-p 0.9 samples, but --temperature 0 decodes greedily"),
+    "generate with parallelcomp without a context": (
+        ["generate", "--model", "BASE", "--method", "parallelcomp", "x"], None,
+        r"prompt 1 has no context: --method parallelcomp answers a prompt about a context"),
+    "generate into a file that is not JSON lines": (
+        ["generate", "--model", "BASE", "--output", "OUT/o.txt", "x"], None, r"--output .*o.txt must name a .jsonl file"),
     # part 4: honest evaluation
     "eval without --model or --adapter": (
         EVAL, None, r"--model is required without --adapter \(with one, its recorded base is the default\)"),
@@ -397,10 +630,51 @@ CLI_CASES = {
         r"--stride 300 is longer than the window --lengths 256: the 44 tokens between two windows would never be scored; "
         r"use --stride <= 256"),
     "window of one token": ([*PPL, "--lengths", "1"], None, r"--lengths 1: a window needs >= 2 tokens"),
+    # issue 31: passkey and RULER lengths bounded by what can be built, as validation.* is (the same checks)
+    "passkey length shorter than its prompt": (
+        ["eval", "passkey", "--model", "BASE", "--lengths", "16"], None,
+        r"--lengths 16 is shorter than the passkey prompt without filler: \d+ tokens of this tokenizer$"),
+    "passkey trials negative": (["eval", "passkey", "--model", "BASE", "--trials", "-1"], None, r"--trials -1 must be an integer >= 1$"),
+    "ruler length beyond what RoPE takes": (
+        ["eval", "ruler", "--model", "BASE", "--lengths", "1000000000000"], None,
+        r"--lengths 1000000000000: at most 16,777,216 tokens \(RoPE positions are float32"),
+    "ruler prompts beyond memory": (
+        ["eval", "ruler", "--model", "BASE", "--lengths", "1000000", "--samples", "100000000"], None,
+        r"--lengths 1000000: its prompts need about [\d,.]+ GiB of memory \(1024 bytes a token to build one, and 48 "
+        r"a token to keep each of its \d+ prompts per length\), more than the [\d,.]+ GiB available here; lower it$"),
+    "RULER length beyond its words": (
+        ["eval", "fwe", "--model", "BASE", "--lengths", "100000", "--task-arg", "fwe.coded_wordlen=2"], None,
+        r"--lengths 100000 is longer than fwe can build: at most 16,999 tokens"),
     "chunks larger than the window": (
         [*PPL, "--method", "s2", "--method-arg", "chunks=300"], None,
         r"--method s2 with --method-arg chunks=300 at --lengths 256: s2\(chunks=300\) at sequence length 256: .*"
         r"fewer than 2 keys per chunk"),
+    "method argument with a YAML anchor": (
+        [*PPL, "--method", "s2", "--method-arg", "chunks=&c 4"], None,
+        r"--method-arg 'chunks=&c 4': YAML anchor &c at line 1, column 1 is refused"),
+    # issue 31 item 4: sizes bounded before anything is built for them
+    "plan of a target length past float32 positions": (
+        ["plan", "recipe=tiny", "model.target_length=1000000000000"], None,
+        r"model.target_length=1000000000000 is invalid: at most 16,777,216 tokens \(RoPE positions are float32"),
+    "plan of a target length of 31 digits": (
+        ["plan", "recipe=tiny", f"model.target_length={10**30}"], None, r"model.target_length=10{30} is invalid: at most 16,777,216"),
+    "plan of pattern chunks of 400 digits": (
+        ["plan", "recipe=tiny", f"attention.params.chunks={'1' * 400}"], None,
+        r"scca_flow: chunks=111111\.\.\. \(400 digits\) must be an integer <= 1,024"),
+    "plan of a tiny model larger than the machine": (
+        ["plan", "recipe=tiny", "model.tiny.hidden_size=1000000"], None,
+        r"model.tiny=\{'hidden_size': 1000000\} is invalid: its 5,001,541,000,000 parameters take 18,632.2 GiB"),
+    "plan of a LoRA rank past the layers' sides": (
+        ["plan", "recipe=tiny", "lora.r=100000000"], None,
+        r"lora.r=100000000 is invalid: at most 16, the smaller side of k_proj \(64 x 16\)"),
+    "plan of lengths past float32 positions": (
+        ["plan", "recipe=tiny", "--lengths", "512,100000000000"], None,
+        r"--lengths 100000000000 is invalid: at most 16,777,216 tokens"),
+    "eval of a window past float32 positions": (
+        [*EVAL[:-1], "1000000000000", "--model", "BASE"], None, r"--lengths 1000000000000: at most 16,777,216 tokens \(RoPE positions are float32"),
+    "eval of pattern chunks of 400 digits": (
+        [*PPL, "--method", "s2", "--method-arg", f"chunks={'1' * 400}"], None,
+        r"local: chunks=111111\.\.\. \(400 digits\) must be an integer <= 16,777,216"),
     "dilation as long as the window": (
         [*PPL, "--method", "sda", "--method-arg", "dilation=256"], None,
         r"--method sda with --method-arg dilation=256 at --lengths 256: sda\(dilation=256\) at sequence length 256"),
@@ -447,6 +721,14 @@ CLI_CASES = {
         [*EVAL, "--model", "DATA"], lambda tmp, adapter: model_dir(*CUT_SHORT)(tmp),
         r"--model .*/m: model.safetensors cannot be read as safetensors"),
     "model that is a file": ([*EVAL, "--model", "TEXT"], None, r"--model .*/t.txt is a file; a model is a directory with config.json"),
+    "merge --method dca of a family the engines serve no DCA for": (
+        ["merge", "--adapter", "ADAPTER", "--output", "OUT/m", "--method", "dca", "--context-length", "4096"], None,
+        r"--method dca: model_type='llama': the engines read dual_chunk_attention_config only for qwen2, qwen3, qwen3_moe"),
+    "merge --method-arg without --method dca": (
+        ["merge", "--adapter", "ADAPTER", "--output", "OUT/m", "--method-arg", "chunk_size=64"], None,
+        r"--method-arg and --context-length go with --method dca"),
+    "an adapter directory as --model": (
+        [*EVAL, "--model", "ADAPTER"], None, r"--model .* is an adapter directory \(adapter_config.json\), not a model: pass it as --adapter"),
     "merge into a base that does not exist": (
         ["merge", "--adapter", "ADAPTER", "--base", "OUT/none", "--output", "OUT/m"], None, r"--base .*/none: no such directory"),
     "merge into a Hub base that cannot be reached": (
@@ -464,6 +746,18 @@ CLI_CASES = {
     "text data without its column": (
         [*PPL[:2], "--model", "BASE", "--data", "DATA", "--text-column", "body"], cli_file("d.jsonl", '{"text": "a"}\n'),
         r"d.jsonl has no column 'body'; its columns: text"),
+    # issue 31: errors about --data name --data and --text-column, not training's data.source
+    "text data without its column, by the flags": (
+        [*PPL[:2], "--model", "BASE", "--data", "DATA", "--text-column", "body"], cli_file("d.jsonl", '{"text": "a"}\n'),
+        r"error: --data .*/d.jsonl has no column 'body'; its columns: text \(set --text-column\)$"),
+    "text data with a broken JSON line": (
+        [*PPL[:2], "--model", "BASE", "--data", "DATA"], cli_file("d.jsonl", '{"text": "a"}\n{"text" "b"}\n'),
+        r"error: --data .*/d.jsonl line 2: not valid JSON \(Expecting ':' delimiter at column 9\)$"),
+    "harness task folder without --trust-remote-code": (
+        ["eval", "harness", "--model", "BASE", "--tasks", "mine", "--include-path", "DATA"],
+        lambda tmp, adapter: (tmp / "tasks").mkdir() or tmp / "tasks",
+        r"error: --include-path .*/tasks: lm-eval imports and runs the Python its task YAML files name \(!function\); "
+        r"give --trust-remote-code to allow that$"),
     "text data shorter than the window": (
         [*PPL[:2], "--model", "BASE", "--data", "DATA", "--lengths", "64"], cli_file("d.txt", "short"),
         r"--lengths 64 longer than the 6 tokens of --data \(lower it or add data\)"),

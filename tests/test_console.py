@@ -23,7 +23,7 @@ def test_the_summary_is_five_lines_naming_what_a_run_does():
     recipe = load_recipe("tiny", ["train.output_dir=runs/x"])
     lines = summarize_recipe(recipe, steps=8, samples=21).splitlines()
     assert len(lines) == 5
-    for said in ("tiny (float32) extended to 512 tokens, RoPE linear", "attention scca_flow {chunks: 4}", "LoRA r=8",
+    for said in ("tiny (random weights) (float32) extended to 512 tokens, RoPE linear", "attention scca_flow {chunks: 4}", "LoRA r=8",
                  "21 samples of 512 tokens", "8 steps", "output runs/x", "recipe.resolved.yaml"):
         assert any(said in line for line in lines), said
 
@@ -35,9 +35,8 @@ def test_a_run_prints_its_summary_and_with_v_the_whole_recipe(tmp_path, capsys):
     argv = ["-v", "train", "recipe=tiny", "deepspeed=null", "train.max_steps=1", "train.report_to=[none]",
             f"train.output_dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path / 'cache'}"]
     assert main(argv) == 0
-    # DeepSpeed logs a line of its own to stdout when it is first imported in a process
-    out = [line for line in capsys.readouterr().out.splitlines() if "[real_accelerator.py:" not in line]
-    assert out[0].startswith("recipe tiny: tiny (float32) extended to 512 tokens") and out[-1].startswith("adapter saved to")
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("recipe tiny: tiny (random weights) (float32) extended to 512 tokens") and out[-1].startswith("adapter saved to")
     assert out[5:7] == ["model:", "  name_or_path: tiny"] and "  gradient_accumulation_steps: 2" in out
 
 
@@ -92,3 +91,34 @@ def test_a_filtered_log_record_is_gone_and_the_rest_of_its_logger_still_shows(ca
     console.set_verbosity(console.VERBOSE)
     logger.warning("Failed to load CPU gemm_4bit_forward from kernels-community: %s. Please ...", "no kernels")
     assert len(caplog.records) == 2
+
+
+def test_progress_bars_name_the_row_they_run_for(capsys):
+    """The experiment runs every bar inside console.row: each says which row it trains or measures."""
+    import numpy as np
+
+    from sparse_ft import methods
+    from sparse_ft.evaluation.ppl import evaluate_length
+    from sparse_ft.modeling.tiny import tiny_llama
+
+    assert console.bar_label("ppl @ 64") == "ppl @ 64"
+    with console.row("scca_flow-seed0"):
+        assert console.bar_label("train tiny_4x") == "scca_flow-seed0: train tiny_4x"
+        evaluate_length(tiny_llama(), np.arange(3, 200) % 380, 64, 64, scoring="standard", method=methods.get("full"), max_windows=1)
+    assert console.bar_label("passkey") == "passkey"
+    assert "scca_flow-seed0: ppl @ 64" in capsys.readouterr().err
+
+
+def test_the_experiment_runs_each_row_inside_its_label(monkeypatch, tmp_path):
+    from sparse_ft.experiment import report
+    from sparse_ft.experiment.run import ExperimentConfig, Runner
+
+    runner = Runner.__new__(Runner)  # the schedule only: no base, no data
+    runner.cfg = ExperimentConfig(patterns=["s2"], seeds=[0, 1], free_methods=["vanilla"])
+    runner.out, runner.context, runner.target = tmp_path, 256, 1024
+    runner.data = lambda: None
+    runner.fine_tuned = lambda pattern, seed, val: {"bar": console.bar_label("train"), "eval_seconds": 0.0}
+    runner.training_free = lambda label, val: {"bar": console.bar_label("ppl"), "eval_seconds": 0.0}
+    monkeypatch.setattr(report, "write_report", lambda results, out: None)
+    rows = runner.run()["rows"]
+    assert [r["bar"] for r in rows] == ["s2-seed0: train", "s2-seed1: train", "vanilla: ppl"]

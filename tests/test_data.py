@@ -13,7 +13,7 @@ from sparse_ft.modeling.tiny import tiny_tokenizer
 
 def cfg(tmp_path, source, **kw):
     base = dict(source=str(source), split="train", text_column="text", min_tokens=0, cache_dir=str(tmp_path / "cache"),
-                streaming=False, max_documents=None, packing="blocks")
+                streaming=False, max_documents=None, packing="blocks", format="text", chat_template=None)
     return SimpleNamespace(**{**base, **kw})
 
 
@@ -50,7 +50,7 @@ def test_cache_is_reused_and_keyed_on_settings(tmp_path, monkeypatch):
     src = write_jsonl(tmp_path / "d.jsonl", ["hello world " * 20] * 5)
     calls = []
     real = packing._flush
-    monkeypatch.setattr(packing, "_flush", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(packing, "_flush", lambda *a, **k: calls.append(1) or real(*a, **k))
     first = build_train_dataset(cfg(tmp_path, src), tok, seq_len=16)
     n = len(calls)
     second = build_train_dataset(cfg(tmp_path, src), tok, seq_len=16)
@@ -194,8 +194,8 @@ def test_a_full_disk_while_caching_is_one_line_and_leaves_no_partial_file(tmp_pa
     src = write_jsonl(tmp_path / "d.jsonl", ["hello world " * 20] * 5)
     flush = packing._flush
 
-    def full_disk(texts, tokenizer, min_tokens, out):
-        flush(texts, tokenizer, min_tokens, out)  # some bytes are written, then the disk is full
+    def full_disk(*args, **kwargs):
+        flush(*args, **kwargs)  # some bytes are written, then the disk is full
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(packing, "_flush", full_disk)
@@ -231,3 +231,36 @@ def test_a_txt_document_that_is_not_utf8_is_refused_by_byte(tmp_path):
     (tmp_path / "d.txt").write_bytes("héllo".encode("latin-1"))
     with pytest.raises(ValueError, match=r"d.txt: not UTF-8 text \(byte 1: invalid continuation byte\)"):
         list(iter_texts(str(tmp_path / "d.txt")))
+
+
+def test_rows_without_text_and_blank_rows_are_counted_at_the_cache_build(tmp_path, capsys):
+    """Issue 31: 32 of 64 JSON rows without the text column were dropped without a word, and
+    blank rows were kept by default. The build counts both (stderr and the sidecar), and the
+    default data.min_tokens (1) keeps blank rows out; 0 keeps them and says so."""
+    from sparse_ft.config.schema import DataSection
+    from sparse_ft.data.packing import load_meta
+
+    rows = [{"text": "hello world " * 4}] * 30 + [{"body": "x"}] * 32 + [{"text": ""}] * 2
+    src = tmp_path / "d.jsonl"
+    src.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    tok = tiny_tokenizer()
+    ds = build_train_dataset(cfg(tmp_path, src, min_tokens=DataSection().min_tokens), tok, seq_len=16)
+    assert ("of 64 rows, 32 without a 'text' value (the column absent or null), 2 blank (no tokens); kept 30 documents "
+            in capsys.readouterr().err)
+    assert {k: load_meta(ds)[k] for k in ("rows_without_text", "blank", "kept")} == {"rows_without_text": 32, "blank": 2, "kept": 30}
+    build_train_dataset(cfg(tmp_path, src, min_tokens=0), tok, seq_len=16)
+    assert "2 blank (kept: data.min_tokens=0); kept 32 documents" in capsys.readouterr().err
+    build_train_dataset(cfg(tmp_path, write_jsonl(tmp_path / "e.jsonl", ["abc"] * 8), min_tokens=1), tok, seq_len=16)
+    assert "rows," not in capsys.readouterr().err  # nothing left out: no report
+
+
+def test_errors_name_the_key_or_flag_the_source_was_given_by(tmp_path):
+    """The same reader serves data.source, --data and validation.data: its errors name the one
+    the user typed, and the setting of the text column beside it."""
+    from sparse_ft.data.sources import Keys
+
+    src = write_jsonl(tmp_path / "d.jsonl", ["x"], column="body")
+    with pytest.raises(ValueError, match=r"^--data .*d.jsonl has no column 'text'; its columns: body \(set --text-column\)$"):
+        list(iter_texts(str(src), keys=Keys("--data", "--text-column")))
+    with pytest.raises(FileNotFoundError, match=r"^validation.data .*missing.jsonl does not exist$"):
+        list(iter_texts(str(tmp_path / "missing.jsonl"), keys=Keys("validation.data")))

@@ -244,7 +244,7 @@ def test_cli_end_to_end(tmp_path, capsys):
     payload = json.loads(out.read_text())
     assert [r["length"] for r in payload["results"]] == [64, 128] and payload["config"]["method"] == "pi"
     assert all(r["ppl"] > 1 and r["tokens"] > 0 and r["tokens_per_second"] > 0 for r in payload["results"])
-    assert png.stat().st_size > 1000 and "| pi | 64 |" in capsys.readouterr().out
+    assert png.stat().st_size > 1000 and "| pi on tiny (random weights) | 64 |" in capsys.readouterr().out
     assert main(["eval", "plot", str(out), str(out), "--output", str(tmp_path / "two.png")]) == 0
     assert (tmp_path / "two.png").stat().st_size > 1000
     pk, heat = tmp_path / "pk.json", tmp_path / "pk.png"
@@ -302,7 +302,7 @@ def test_token_files_need_no_tokenizer_and_any_utf8_file_is_text(tmp_path, capsy
     for name in ("notes.md", "LICENSE", "book.txt"):
         (tmp_path / name).write_text(text)
         assert main(["eval", "ppl", "--model", "tiny", "--data", str(tmp_path / name), "--lengths", "128", "--stride", "64"]) == 0
-    assert "| full | 128 |" in capsys.readouterr().out
+    assert "| full on tiny (random weights) | 128 |" in capsys.readouterr().out
     (tmp_path / "latin1.md").write_bytes("caf\xe9 ".encode("latin-1") * 50)
     cases = [(["--model", str(bare), "--data", str(tmp_path / "notes.md")], "cannot load a tokenizer from"),
              (["--model", "tiny", "--data", str(tmp_path / "latin1.md")], "is not UTF-8 text (byte 3)")]

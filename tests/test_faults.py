@@ -11,6 +11,7 @@ import functools
 import itertools
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -148,6 +149,73 @@ def test_a_full_disk_fails_the_save_clearly_and_the_relaunch_resumes_exactly(tmp
         for name in ("trainable.safetensors", "optimizer.safetensors"):
             assert (out / f"checkpoint-{step}" / name).read_bytes() == (reference[0] / f"checkpoint-{step}" / name).read_bytes()
     assert curve(resume(out, common)) == curve(reference[1])
+
+
+def _full_disk_in_the_log(monkeypatch, out):
+    """The second line appended to log.jsonl meets a full disk (open fails as a full disk's
+    write does, without naming the file)."""
+    from sparse_ft.train import metrics
+
+    appended = itertools.count()
+
+    def full(path, mode="r", *args, **kwargs):
+        if Path(path) == out / "log.jsonl" and mode == "a" and next(appended) == 1:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(metrics, "open", full, raising=False)
+    return out / "log.jsonl", "no earlier checkpoint"
+
+
+def _full_disk_in_the_probe(monkeypatch, out):
+    """The end-of-run save's first file (it was a SafetensorError traceback)."""
+    from sparse_ft.train import trainer
+
+    write = trainer.write_synced
+
+    def full(path, data):
+        if path.name == "adapter_probe.safetensors":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        write(path, data)
+
+    monkeypatch.setattr(trainer, "write_synced", full)
+    return out / "adapter_probe.safetensors", "the earlier checkpoints are intact (latest: checkpoint-2)"
+
+
+def _full_disk_in_the_adapter(monkeypatch, out):
+    """PEFT's safetensors write of the final adapter, which reports a full disk as a SafetensorError."""
+    import peft.peft_model
+    from safetensors import SafetensorError
+
+    write = peft.peft_model.safe_save_file
+
+    def full(tensors, filename, *args, **kwargs):
+        if "checkpoint-" not in str(filename):  # the final adapter's (a checkpoint's is the same call)
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        write(tensors, filename, *args, **kwargs)
+
+    monkeypatch.setattr(peft.peft_model, "safe_save_file", full)
+    return None, "the earlier checkpoints are intact (latest: checkpoint-2)"
+
+
+@pytest.mark.parametrize("full_disk", [_full_disk_in_the_log, _full_disk_in_the_probe, _full_disk_in_the_adapter],
+                         ids=["log", "probe", "adapter"])
+def test_a_full_disk_in_any_write_of_the_run_is_one_line(tmp_path, common, monkeypatch, capsys, full_disk):
+    """Issue 31: ENOSPC in the loop's log or in the end-of-run save (the probe, the adapter) is
+    the one line a checkpoint's full disk gives, exit 1, the lock released and no adapter left;
+    after the end's, the relaunch resumes at the last checkpoint and saves."""
+    out = tmp_path / "run"
+    failed, kept = full_disk(monkeypatch, out)
+    assert train_py(*run_in(out, common, "train.max_steps=2")) == 1
+    line = one_error_line(capsys.readouterr().err)
+    target = re.escape(str(failed)) if failed else re.escape(str(out)) + r"/\S*adapter\S*/adapter_model.safetensors"
+    assert re.fullmatch(rf"train.py: error: could not write {target}: No space left on device(?: \(.*\))?; "
+                        rf"{re.escape(kept)}: free the space and relaunch to resume", line), line
+    assert not (out / LOCK).exists() and not (out / "adapter").exists()
+    monkeypatch.undo()
+    if failed is not None and failed.name == "adapter_probe.safetensors":
+        assert train_py(*run_in(out, common, "train.max_steps=2")) == 0
+        assert (out / "adapter" / "adapter_model.safetensors").is_file() and (out / "adapter_probe.safetensors").is_file()
 
 
 def test_a_lock_held_elsewhere_is_refused_and_a_dead_one_here_taken_over(tmp_path, capsys):

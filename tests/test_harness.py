@@ -139,7 +139,7 @@ def test_the_harness_scores_and_answers_through_the_method(name, task_dir):
 
 def test_eval_harness_writes_what_the_full_model_scores(task_dir, tmp_path, capsys):
     out = tmp_path / "r.json"
-    assert main(["eval", "harness", "--model", BASE, "--tasks", "tiny_ll,tiny_mc", "--include-path", str(task_dir),
+    assert main(["eval", "harness", "--model", BASE, "--tasks", "tiny_ll,tiny_mc", "--include-path", str(task_dir), "--trust-remote-code",
                  "--batch-size", "2", "--output", str(out)]) == 0
     payload = json.loads(out.read_text())
     model, tokenizer, _ = loaded("full")
@@ -149,7 +149,7 @@ def test_eval_harness_writes_what_the_full_model_scores(task_dir, tmp_path, caps
     assert {r["samples"] for r in payload["results"]} == {len(DOCS)}
     table = out.with_suffix(".md").read_text()
     assert "| full | tiny_mc | acc | none |" in table and "sparse_ft_output" in table
-    assert main(["eval", "harness", "--model", BASE, "--tasks", "tiny_ll", "--include-path", str(task_dir),
+    assert main(["eval", "harness", "--model", BASE, "--tasks", "tiny_ll", "--include-path", str(task_dir), "--trust-remote-code",
                  "--output", str(out)]) == 2  # its own earlier output, without --overwrite
     assert "--overwrite" in capsys.readouterr().err
 
@@ -167,7 +167,7 @@ def test_an_adapters_rope_is_restored(task_dir, tmp_path):
         "base_model": BASE, "base_model_given": BASE, "max_position_embeddings": 2 * CONTEXT,
         "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}))
     out = tmp_path / "r.json"
-    assert main(["eval", "harness", "--adapter", str(adapter), "--tasks", "tiny_ll", "--include-path", str(task_dir),
+    assert main(["eval", "harness", "--adapter", str(adapter), "--tasks", "tiny_ll", "--include-path", str(task_dir), "--trust-remote-code",
                  "--limit", "2", "--output", str(out)]) == 0
     payload = json.loads(out.read_text())
     scaled, tokenizer, _ = loaded("full", str(adapter))
@@ -198,6 +198,8 @@ ERRORS = {
     "empty tasks": (["--tasks", ","], r"--tasks ',' names no task"),
     "metadata not an object": (["--tasks", "tiny_ll", "--metadata", "[4096]"], r"--metadata '\[4096\]' is a JSON list, not an object"),
     "metadata not JSON": (["--tasks", "tiny_ll", "--metadata", "{max: 1}"], r"--metadata '\{max: 1\}' is not JSON"),
+    "metadata with a key twice": (["--tasks", "tiny_ll", "--metadata", '{"max_seq_lengths": [64], "max_seq_lengths": [128]}'],
+                                   r"--metadata .*: key max_seq_lengths is given twice, at line 1, columns 2 and 27"),
 }
 
 
@@ -209,7 +211,7 @@ def test_bad_harness_input_fails_in_one_line_before_the_model_loads(case, task_d
     monkeypatch.setattr(loading, "load", no_load)
     argv, message = ERRORS[case]
     argv = [str(tmp_path / "NOWHERE") if arg == "NOWHERE" else arg for arg in argv]
-    assert main(["eval", "harness", "--model", BASE, "--include-path", str(task_dir), *argv]) == 2
+    assert main(["eval", "harness", "--model", BASE, "--include-path", str(task_dir), "--trust-remote-code", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("sparse-ft eval: error: ") and sum("error:" in line for line in err) == 1, err
     assert re.search(message, err[-1]), err[-1]
@@ -217,7 +219,7 @@ def test_bad_harness_input_fails_in_one_line_before_the_model_loads(case, task_d
 
 def test_without_lm_eval_the_extra_is_named(task_dir, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # import lm_eval raises ImportError
-    assert main(["eval", "harness", "--model", BASE, "--tasks", "tiny_ll", "--include-path", str(task_dir)]) == 2
+    assert main(["eval", "harness", "--model", BASE, "--tasks", "tiny_ll", "--include-path", str(task_dir), "--trust-remote-code"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == "sparse-ft eval: error: eval harness needs lm-evaluation-harness, an optional extra: " \
-                  "pip install 'sparse-ft[harness]'"
+                  "pip install '.[harness]' in a checkout of sparse-ft (no release exists yet)"

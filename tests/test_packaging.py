@@ -28,10 +28,27 @@ def wheel(tmp_path_factory) -> Path:
     for name in _tracked():
         (tmp / "src" / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp / "src" / name).write_bytes((ROOT / name).read_bytes())
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp / "dist"),
-                    str(tmp / "src")], check=True, capture_output=True)
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-v", "-w",
+                           str(tmp / "dist"), str(tmp / "src")], check=True, capture_output=True, text=True)
+    (tmp / "build.log").write_text(done.stdout + done.stderr)
     (built,) = (tmp / "dist").glob("sparse_ft-*.whl")
     return built
+
+
+def test_building_warns_about_no_package_data(wheel):
+    """setuptools printed ~175 lines of "Package would be ignored" on every install: each folder
+    of recipes with an importable name must be a package of pyproject.toml's list."""
+    log = (wheel.parent.parent / "build.log").read_text()
+    assert "would be ignored" not in log, log[log.find("would be ignored") - 300:][:900]
+
+
+def test_every_folder_of_recipes_is_a_declared_package():
+    """The fast form of the check above: a new folder under recipes/ names what to add."""
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+
+    declared = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {f"sparse_ft._data.recipes.{d.name}" for d in (ROOT / "recipes").iterdir() if d.is_dir() and d.name.isidentifier()}
+    assert folders <= declared, f"add to [tool.setuptools] packages and package-data in pyproject.toml: {sorted(folders - declared)}"
 
 
 def test_the_wheel_holds_every_module_and_shipped_file(wheel):

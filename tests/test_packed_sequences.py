@@ -169,6 +169,46 @@ def test_the_trainer_trains_padding_free(tmp_path, common, monkeypatch):
     assert max(documents) > 1
 
 
+def test_padding_free_samples_without_a_target_are_skipped():
+    """Issue 31: a sample of empty documents only (EOS after EOS) has no target; so has one
+    whose only non-EOS token starts a document. Both are left out of the dataset, counted."""
+    import numpy as np
+
+    from sparse_ft.data.packing import TokenBlocks
+
+    eos = 1
+    samples = np.array([[5, 6, eos, 7], [eos, eos, eos, eos], [eos, 8, eos, eos], [eos, eos, eos, 9]])
+    packed = TokenBlocks(samples, restart_after=eos)
+    assert packed.skipped == 2 and len(packed) == 2
+    assert [packed[i]["input_ids"].tolist() for i in range(2)] == [samples[0].tolist(), samples[2].tolist()]
+    assert all((packed[i]["labels"][1:] != -100).any() for i in range(2))
+    blocks = TokenBlocks(samples)  # blocks: every token after the first is a target
+    assert blocks.skipped == 0 and len(blocks) == 4
+
+
+def test_a_sample_without_a_target_takes_no_optimizer_step(tmp_path, common, capsys):
+    """Blank rows kept on purpose (data.min_tokens=0) make a padding-free sample of EOS only: it
+    is skipped with a count on stderr, so the epoch's steps, optimizer steps and schedule are
+    those of the three samples with targets, each with a loss and a gradient."""
+    from sparse_ft.config import load_recipe
+    from sparse_ft.train import checkpoint
+    from sparse_ft.train.trainer import train
+
+    source = tmp_path / "blank.jsonl"  # 2,302 tokens: samples 0, 1 and 3 of 512 hold text, sample 2 only EOS
+    rows = [{"text": "word " * 120}, *[{"text": ""}] * 1100, {"text": "word " * 120}]
+    source.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    out = tmp_path / "run"
+    summary = train(load_recipe("tiny", [*common, f"train.output_dir={out}", "data.packing=padding_free",
+                                         f"data.source={source}", "data.min_tokens=0", "train.max_steps=-1",
+                                         "train.gradient_accumulation_steps=1", "train.save_steps=100"]))
+    err = capsys.readouterr().err
+    assert "1100 blank (kept: data.min_tokens=0)" in err
+    assert "data: skipped 1 of 4 samples: no target in them" in err
+    assert summary["steps"] == len(summary["history"]) == 3
+    assert all(r["loss"] > 0 and r["grad_norm"] > 0 for r in summary["history"])
+    assert checkpoint.read_meta(checkpoint.directory(out, 3))["optimizer_steps"] == 3
+
+
 def _flash_attn_varlen_func_as_documented(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                                           causal=False, softmax_scale=None, **kwargs):
     """flash-attn's flash_attn_varlen_func semantics from its README: (total, heads, dim)

@@ -211,6 +211,37 @@ def test_degenerate_lengths_are_refused_and_the_rest_kept(name, params):
                 pattern.check_length(n)
 
 
+@pytest.mark.parametrize("name, params", PATTERNS, ids=IDS)
+def test_the_widest_query_is_arithmetic_and_equals_the_mask(name, params, monkeypatch):
+    """Issue 31: ``widest`` (what check_length reads) equals the dense mask's per-head widest
+    query, by each pattern's closed form and by the progression of the base class, and a
+    length is checked without a tensor the length's size (``model.target_length=1e12`` was an
+    allocator traceback): at the longest length allowed, no torch call runs at all."""
+    from attn_patterns.base import Pattern
+    from attn_patterns.checks import MAX_LENGTH
+
+    pattern = attn_patterns.get(name, **params)
+    for heads in (pattern.fewest_heads(), 2 * pattern.fewest_heads()):
+        for n in range(1, 40):
+            dense = pattern.mask(n, heads).sum(dim=-1).amax(dim=-1).tolist()
+            assert pattern.widest(n, heads) == Pattern.widest(pattern, n, heads) == dense, (heads, n)
+    monkeypatch.setattr(torch, "arange", None)
+    pattern.check_length(MAX_LENGTH)
+    with pytest.raises(ValueError, match=r"seq_len=16777217 must be an integer <= 16,777,216 \(RoPE positions are float32"):
+        pattern.check_length(MAX_LENGTH + 1)
+
+
+def test_sizes_are_bounded_before_anything_is_built():
+    """A 400-digit ``chunks`` or ``dilation`` is refused by the parameter check, not by an
+    OverflowError of whatever it would have built (scca_flow: one head group per chunk)."""
+    huge = int("1" * 400)
+    for name, key in (("s2", "chunks"), ("sda", "dilation"), ("scca_fixed", "chunks")):  # named by the part that takes it
+        with pytest.raises(ValueError, match=rf"^\w+: {key}=111111\.\.\. \(400 digits\) must be an integer <= 16,777,216"):
+            attn_patterns.get(name, **{key: huge})
+    with pytest.raises(ValueError, match=r"^scca_flow: chunks=2048 must be an integer <= 1,024 \(one head group each"):
+        attn_patterns.get("scca_flow", chunks=2048)
+
+
 def test_degenerate_parameters_by_hand():
     attn_patterns.get("s2", chunks=511).check_length(512)  # chunks of 2 tokens: sparse, not off
     with pytest.raises(ValueError, match=r"^s2\(chunks=512\) at sequence length 512: no query of head 0 \(of 2\) sees more than 1 key"):

@@ -96,6 +96,24 @@ def test_plan_command_writes_json_and_markdown(tmp_path, capsys):
     assert "Predictions, not measurements" in capsys.readouterr().out
 
 
+def test_plan_spans_the_gpus_the_recipe_is_written_for_and_says_so(capsys):
+    """scca_flow_8k is written for 8 V100s (train.gpus: 8): ZeRO-3 partitions over 8, which
+    fits far more than over 1; --gpus overrides, and a recipe without the key plans its sp."""
+    from sparse_ft.cli import main
+
+    def plan(*argv: str) -> tuple[str, int]:
+        assert main(["plan", *argv, "--patterns", "full", "--gpu-memory", "32GB"]) == 0
+        out = capsys.readouterr().out
+        return out.splitlines()[0], int(out.split("| full | 1 | ")[1].split(" |")[0].replace(",", ""))
+
+    title, eight = plan("recipe=scca_flow_8k")
+    assert "ZeRO-3 over 8 GPU(s) (from the recipe's train.gpus)" in title
+    title, one = plan("recipe=scca_flow_8k", "--gpus", "1")
+    assert "ZeRO-3 over 1 GPU(s) (from --gpus)" in title and one < eight
+    assert plan("recipe=scca_flow_8k", "train.gpus=1")[1] == one
+    assert "over 1 GPU(s) (from the largest --sp: the recipe sets no train.gpus)" in plan("recipe=tiny")[0]
+
+
 @pytest.mark.parametrize("argv, words", [
     (["--gpu-memory", "80 bananas"], "--gpu-memory '80 bananas' must be a positive size"),
     (["--gpu-memory", "80"], "--gpu-memory '80' must be a positive size with a unit, such as 80GiB, 141GB or 24GiB "
@@ -104,6 +122,7 @@ def test_plan_command_writes_json_and_markdown(tmp_path, capsys):
     (["--sp", "0"], "--sp='0' must be a comma list of positive integers"),
     (["--sp", "2", "--gpus", "3"], "--gpus=3 must be a multiple of every --sp"),
     (["--gpus", "0"], "--gpus=0 must be a positive number of GPUs"),
+    (["--sp", "4", "train.gpus=2"], "the recipe's train.gpus=2 must be a multiple of every --sp (4); --gpus overrides it"),
     (["--sp", "3"], "--sp 3 is invalid: must divide the model's num_attention_heads=8"),
     (["--sp", "1000000"], "--sp 1000000 is invalid: must divide the model's num_attention_heads=8"),
     (["--sp", "16", "--gpus", "16"], "--sp 16 is invalid: must divide the model's num_attention_heads=8"),

@@ -47,4 +47,4 @@ def test_eval_plot_titles_name_the_models(tmp_path, capsys, monkeypatch):
     out = tmp_path / "both.png"
     assert main(["eval", "plot", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--output", str(out)]) == 0
     assert written_by(out) == "sparse-ft eval plot" and out.stat().st_size > 1000
-    assert titles == [f"perplexity: {tmp_path.name}, tiny"]
+    assert titles == [f"perplexity: {tmp_path.name}, tiny (random weights)"]

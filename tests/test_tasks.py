@@ -231,7 +231,7 @@ def test_bad_inputs_are_one_line_before_the_weights_load(base_1024, tmp_path, ca
         (["vt", "--task-arg", "vt.hops=2"], "--task-arg: vt: parameter(s) hops unknown; allowed: num_chains, num_hops"),
         (["vt", "--task-arg", "fwe.alpha=2"], "with TASK among the tasks run (vt)"),
         (["vt", "--task-arg", "vt.num_hops=0"], "vt: num_hops=0 must be an integer >= 1"),
-        (["fwe", "--samples", "0"], "--samples 0 must be >= 1"),
+        (["fwe", "--samples", "0"], "--samples 0 must be an integer >= 1"),
         (["fwe", "--relative-threshold", "0"], "--relative-threshold 0.0 must be > 0"),
         (["fwe", "--reference", str(tmp_path / "none.json")], "none.json does not exist"),
         (["fwe", "--lengths", "2048", "--output", str(tmp_path / "r.md")], "names the results JSON"),

@@ -40,7 +40,7 @@ def test_single_process_run_composes_rope_and_saves_a_complete_adapter(reference
     assert (out / "recipe.resolved.yaml").is_file()
     # nothing pickled: checkpoints are safetensors + JSON
     assert complete_checkpoints(out) == [2, 4, 6, 8]  # the last step's too
-    assert {p.suffix for p in (out / "checkpoint-4").iterdir()} == {".safetensors", ".json", ".md"}  # .md: PEFT's model card
+    assert {p.suffix for p in (out / "checkpoint-4").iterdir()} == {".safetensors", ".json", ".md"}  # .md: the model card (sparse_ft.train.model_card)
     ckpt = json.loads((out / "checkpoint-4" / "meta.json").read_text())
     assert ckpt["data"]["micro_batches"] == 4 * 2 and len(ckpt["history"]) == 4 and ckpt["optimizer_steps"] == 4
     assert (ckpt["data"]["epoch"], ckpt["data"]["consumed"]) == (0, 4 * 2)  # 8 samples of epoch 0's order

@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from helpers_train import DEEPSPEED, assert_adapter_reproduces_probe, losses, overrides, write_held_out
+from helpers_train import DEEPSPEED, assert_adapter_reproduces_probe, default_stop_signals, losses, overrides, write_held_out
 from sparse_ft.files.outputs import RUN_LOCK
 from sparse_ft.train import checkpoint
 
@@ -109,7 +109,8 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step_and_resumes(tmp_p
     uninterrupted run's losses."""
     out, log = tmp_path / "ds", tmp_path / "output"
     with open(log, "w") as output:
-        proc = subprocess.Popen(command(out, zero3[1]), cwd=ROOT, stdout=output, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(command(out, zero3[1]), cwd=ROOT, stdout=output, stderr=subprocess.STDOUT,
+                                preexec_fn=default_stop_signals)  # ranks inherit it: SIGTERM acts though the suite ignores it
         while not ((out / "log.jsonl").is_file() and (out / "log.jsonl").read_text()):
             assert proc.poll() is None, log.read_text()[-3000:]
             time.sleep(0.05)

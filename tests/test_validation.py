@@ -141,6 +141,6 @@ def test_held_out_data_or_a_prompt_longer_than_the_validation_length_is_one_line
         Validation(recipe, tiny_tokenizer(), training_method(recipe))
     recipe = load_recipe("tiny", ["deepspeed=null", "validation.at_end=true", "validation.tasks=[niah_single_1]",
                                   "validation.lengths=[100]"])
-    with pytest.raises(BadInput, match=r"^recipe key validation.lengths=\[100\] is invalid: 100 is shorter than the shortest "
+    with pytest.raises(BadInput, match=r"^recipe key validation.lengths entry 100 is shorter than the shortest "
                                        r"niah_single_1 prompt: \d+ tokens of this tokenizer"):
         Validation(recipe, tiny_tokenizer(), training_method(recipe))

@@ -5,7 +5,8 @@ name the dotted key, the value and what is allowed, before any model is loaded.
 
 ``schema``: the sections and their checks; ``loader``: finding, inheriting, overriding, loading
 and saving recipes; ``keyvalue``: the ``key=value`` parser; ``deepspeed_file``: the DeepSpeed
-JSON a recipe names; ``paths``: where recipes and DeepSpeed configs live.
+JSON a recipe names; ``strict``: the one reader of a user's YAML and JSON (no anchors, no key
+given twice); ``paths``: where recipes and DeepSpeed configs live.
 """
 
 from sparse_ft.config.deepspeed_file import deepspeed_config_path

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from sparse_ft.config.paths import DS_CONFIG_DIR
+from sparse_ft.config.strict import json_value
 from sparse_ft.modeling.dtypes import DTYPES
 
 # DeepSpeed keys the recipe owns: a config may leave them "auto" or repeat the recipe's value.
@@ -44,7 +45,7 @@ def read_deepspeed_config(name_or_path: str) -> dict:
     path = deepspeed_config_path(name_or_path)
     where = f"recipe key deepspeed={name_or_path!r}" + ("" if str(path) == name_or_path else f" ({path})")
     try:
-        config = json.loads(path.read_text(encoding="utf-8"))
+        config = json_value(path.read_text(encoding="utf-8"), where)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"{where} is not valid JSON: {err}") from None
     _check_shape(config, where)

@@ -25,7 +25,8 @@ import yaml
 from sparse_ft.config.keyvalue import parse_assignments
 from sparse_ft.config.paths import RECIPE_DIRS, REPO_ROOT
 from sparse_ft.config.schema import Recipe, fail, validate
-from sparse_ft.modeling.tiny import BUILT_IN
+from sparse_ft.config.strict import yaml_value
+from sparse_ft.modeling.tiny import BUILT_IN, display_name
 from sparse_ft.files.outputs import atomic_file
 
 RESOLVED_RECIPE = "recipe.resolved.yaml"  # beside a run's outputs (save_resolved)
@@ -126,7 +127,7 @@ def _read(path: Path, seen: tuple = ()) -> dict:
     if path.resolve() in seen:
         raise ValueError(f"recipe inherit cycle: {' -> '.join(map(str, seen + (path.resolve(),)))}")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        data = yaml_value(path.read_text(encoding="utf-8"), f"recipe {path}") or {}
     except UnicodeDecodeError as err:
         raise ValueError(f"recipe {path} is not UTF-8 text (byte {err.start})") from None
     except OSError as err:
@@ -244,10 +245,12 @@ def summarize_recipe(recipe: Recipe, steps: int, samples: int) -> str:
     params = f" {yaml.safe_dump(a.params, default_flow_style=True).strip()}" if a.params else ""
     trained = f" + {', '.join(lora.extra_trainable)} in full" if lora.extra_trainable else ""
     return "\n".join([
-        f"recipe {recipe.name}: {m.name_or_path} ({m.dtype}) extended to {m.target_length} tokens, RoPE {m.rope_method}",
+        f"recipe {recipe.name}: {display_name(m.name_or_path)} ({m.dtype}) extended to {m.target_length} tokens, "
+        f"RoPE {m.rope_method}",
         f"  attention {a.pattern}{params}, backend {a.backend or 'sdpa'}; "
         f"LoRA r={lora.r} alpha={lora.alpha} on {', '.join(lora.target_modules)}{trained}",
-        f"  data {d.source}: {samples} samples of {recipe.seq_len} tokens ({d.packing})",
+        f"  data {d.source}: {samples} samples of {recipe.seq_len} tokens "
+        f"({d.packing if d.format == 'text' else d.format + ' rows whole, padding_free, loss on the answers'})",
         f"  {steps} steps of {t.per_device_batch_size} x {t.gradient_accumulation_steps} samples per process, "
         f"lr {t.lr:g} {t.scheduler}, DeepSpeed {recipe.deepspeed or 'off'}",
         f"  output {t.output_dir} (the whole recipe: {RESOLVED_RECIPE}; -v prints it)",

@@ -20,10 +20,13 @@ from sparse_ft.modeling.tiny import BUILT_IN, is_built_in
 
 @dataclass
 class ModelSection:
-    name_or_path: str = BUILT_IN  # HF id, local directory, or "tiny": the built-in test model
+    name_or_path: str = BUILT_IN  # HF id, local directory, or "tiny": the built-in test model (random weights)
     dtype: str = "bfloat16"
     target_length: int = 8192
     rope_method: str = "linear"
+    # the context the model was pretrained at, where its config.json says more (Qwen2.5-7B:
+    # 131072 there, 32768 pretrained, YaRN beyond): RoPE extends from it; null: the config's
+    native_length: Optional[int] = None
     trust_remote_code: bool = False
     quantization: str = "none"  # nf4: a bitsandbytes 4-bit base under the adapters (QLoRA), docs/training.md
     tiny: dict = field(default_factory=dict)  # LlamaConfig overrides for name_or_path=tiny
@@ -52,7 +55,8 @@ class DataSection:
     source: str = "hf://datasets/togethercomputer/RedPajama-Data-1T-Sample/*.jsonl"  # see sparse_ft/data/sources.py
     split: str = "train"
     text_column: str = "text"
-    min_tokens: int = 0
+    # 1: a blank row (no tokens) is no document; 0 keeps them (each a lone EOS, nothing to learn)
+    min_tokens: int = 1
     seq_len: Optional[int] = None  # default: model.target_length
     cache_dir: str = ".cache/sparse-ft/data"
     streaming: bool = False
@@ -61,6 +65,11 @@ class DataSection:
     # padding_free: the same samples, positions restarting after each EOS, so that every
     # document attends to itself alone, with its own pattern (sparse_ft/data/packing.py)
     packing: str = "blocks"
+    # text: documents, every token trained; chat ({messages: [...]}) or instruction
+    # ({instruction, input, output}): the loss on the answers alone, each row packed whole and
+    # padding-free (sparse_ft/data/conversations.py, docs/data.md#chat-and-instruction-data)
+    format: str = "text"
+    chat_template: Optional[str] = None  # format chat: a Jinja template, or a file holding one; null: the tokenizer's
 
 
 @dataclass
@@ -86,6 +95,9 @@ class TrainSection:
     mlp_tile_tokens: int = 0
     # DeepSpeed Ulysses: each sequence split over this many ranks, each attending with H/sp heads
     sequence_parallel_size: int = 1
+    # the GPUs (processes) the recipe is written for: sparse-ft plan's world size (ZeRO's
+    # partitions); the launcher decides how many a run gets. null: the sequence-parallel size
+    gpus: Optional[int] = None
     max_grad_norm: float = 1.0
     seed: int = 42
     save_steps: int = 1000
@@ -142,6 +154,7 @@ CHOICES = {
     "train.loss": ("chunked", "model"),
     "attention.backend": (None, "auto", "sdpa", "flash", "flex", "triton"),
     "data.packing": ("blocks", "padding_free"),
+    "data.format": ("text", "chat", "instruction"),
     "train.scheduler": ("constant", "linear", "cosine"),
     "train.weight_decay_on": ("all", "matrices"),
     "validation.attention": ("full", "training"),
@@ -154,11 +167,12 @@ REPORTERS = ("tensorboard", "wandb", "none")
 WANDB_KEYS = {"project": str, "entity": str, "name": str, "group": str, "tags": list}  # train.wandb
 # What a resume must find as the checkpoint recorded it (the model, its adapters and attention, the
 # data and its order, the optimizer and its schedule): a change would continue another run.
-RESUME_KEYS = ("model.name_or_path", "model.dtype", "model.quantization", "model.target_length", "model.rope_method", "model.tiny",
+RESUME_KEYS = ("model.name_or_path", "model.dtype", "model.quantization", "model.target_length", "model.rope_method",
+               "model.native_length", "model.tiny",
                "attention.pattern", "attention.params", "attention.backend",
                "lora.r", "lora.alpha", "lora.dropout", "lora.target_modules", "lora.extra_trainable",
                "data.source", "data.split", "data.text_column", "data.min_tokens", "data.seq_len", "data.streaming",
-               "data.max_documents", "data.packing", "train.seed", "train.lr", "train.betas", "train.weight_decay", "train.weight_decay_on",
+               "data.max_documents", "data.packing", "data.format", "data.chat_template", "train.seed", "train.lr", "train.betas", "train.weight_decay", "train.weight_decay_on",
                "train.scheduler", "train.min_lr_ratio", "train.warmup_steps", "train.max_steps", "train.num_epochs",
                "train.per_device_batch_size", "train.gradient_accumulation_steps", "train.sequence_parallel_size",
                "train.max_grad_norm")
@@ -196,6 +210,9 @@ def validate(recipe: Recipe) -> None:
         for key in sorted(keys):
             if flat[key] < lowest:
                 fail(key, flat[key], f"must be >= {lowest}")
+    native = recipe.model.native_length
+    if native is not None and (isinstance(native, bool) or not isinstance(native, int) or native < 1):
+        fail("model.native_length", native, "a positive number of tokens (the model's pretraining context), or null for its config's")
     train = recipe.train
     if train.max_steps == 0 or train.max_steps < -1:
         fail("train.max_steps", train.max_steps, "must be >= 1, or -1 to run train.num_epochs")
@@ -231,6 +248,7 @@ def validate(recipe: Recipe) -> None:
         names = getattr(recipe.lora, key.split(".")[1])
         if not all(name.strip() for name in names):
             fail(key, names, "module names, none empty (an empty name would match every module)")
+    _check_lengths(recipe)
     _check_data(recipe)
     _check_tiny(recipe.model)
     _check_attention(recipe)
@@ -289,6 +307,21 @@ def _check_directory(key: str, value: str) -> None:
         fail(key, value, f"a directory (to be created, or an earlier run's); {where}")
 
 
+def _check_lengths(recipe: Recipe) -> None:
+    """Every length the recipe asks for within what any run can take
+    (:func:`attn_patterns.checks.length_rule`), before a pattern or a data cache is built for it
+    (``model.target_length`` and ``data.seq_len`` are checked above to be >= 1 and >= 2)."""
+    from attn_patterns.checks import length_rule, short
+
+    lengths = recipe.validation.lengths
+    for key, value, longest in (("model.target_length", recipe.model.target_length, recipe.model.target_length),
+                                ("data.seq_len", recipe.data.seq_len, recipe.data.seq_len or 0),
+                                ("validation.lengths", lengths, max(lengths, default=0))):
+        rule = length_rule(longest)
+        if rule:
+            fail(key, value if short(value) == str(value) else short(value), rule)  # 400 digits shown by their count
+
+
 def _check_data(recipe: Recipe) -> None:
     data = recipe.data
     _check_directory("data.cache_dir", data.cache_dir)
@@ -297,6 +330,15 @@ def _check_data(recipe: Recipe) -> None:
     if data.seq_len is not None and not 2 <= data.seq_len <= recipe.model.target_length:
         fail("data.seq_len", data.seq_len,
              f"must be in [2, model.target_length={recipe.model.target_length}], or null (= model.target_length)")
+    if data.chat_template is not None:
+        from sparse_ft.data.conversations import read_chat_template
+
+        if data.format != "chat":
+            fail("data.chat_template", data.chat_template, f"only applies with data.format=chat, not {data.format}")
+        try:
+            read_chat_template(data.chat_template)
+        except ValueError as err:
+            fail("data.chat_template", data.chat_template, str(err))
 
 
 def _check_tiny(model: ModelSection) -> None:
@@ -306,12 +348,14 @@ def _check_tiny(model: ModelSection) -> None:
         return
     if not is_built_in(model.name_or_path):
         fail("model.tiny", model.tiny, "only applies with model.name_or_path=tiny")
-    from sparse_ft.modeling.tiny import tiny_llama_config
+    from sparse_ft.modeling.tiny import tiny_llama_config, tiny_size_rule
 
     try:
-        tiny_llama_config(**model.tiny)
+        rule = tiny_size_rule(tiny_llama_config(**model.tiny))
     except Exception as err:  # LlamaConfig's checks raise several types, not all ValueError
         fail("model.tiny", model.tiny, one_line(err))
+    if rule is not None:
+        fail("model.tiny", model.tiny, rule)
 
 
 def _check_attention(recipe: Recipe) -> None:
@@ -338,9 +382,13 @@ def _check_attention(recipe: Recipe) -> None:
 
 
 def _check_sequence_parallel(recipe: Recipe) -> None:
-    """What Ulysses needs that the recipe alone decides; the heads and the world size are
-    checked where they are known (preflight)."""
-    sp = recipe.train.sequence_parallel_size
+    """What Ulysses needs that the recipe alone decides (``train.gpus``, where the recipe
+    states it, included); the heads and the launched world size are checked where they are
+    known (preflight)."""
+    sp, gpus = recipe.train.sequence_parallel_size, recipe.train.gpus
+    if gpus is not None and (gpus < 1 or gpus % sp):
+        fail("train.gpus", gpus, f"a positive multiple of train.sequence_parallel_size={sp} (the GPUs the recipe is "
+             "written for), or null")
     if sp == 1:
         return
     if recipe.deepspeed is None:
@@ -389,6 +437,20 @@ def sequence_parallel_rule(sp: int, world_size: int, heads: int, kv_heads: int) 
     if world_size % sp:
         return f"must divide the number of processes, {world_size} (data parallelism runs across world / sp groups)"
     return None
+
+
+def lora_rank_rule(r: int, shapes: dict[str, tuple[int, int]]) -> Optional[str]:
+    """Why ``lora.r`` cannot adapt layers of ``shapes`` (a name -> the weight's two sides, of
+    each layer LoRA targets), None if it can: ``B @ A`` has rank at most the smaller side of the
+    weight, so a rank past it adds parameters (and memory: ``r=100000000`` asked for 25 GB)
+    and no rank. Checked where the shapes are known: the training preflight (the model's
+    modules on the meta device) and ``sparse-ft plan`` (its shape table)."""
+    if not shapes:
+        return None
+    name, sides = min(shapes.items(), key=lambda item: min(item[1]))
+    if r <= min(sides):
+        return None
+    return f"at most {min(sides):,}, the smaller side of {name} ({sides[0]:,} x {sides[1]:,}): a rank past it adds parameters, not rank"
 
 
 def _check_deepspeed(recipe: Recipe, config: dict) -> None:

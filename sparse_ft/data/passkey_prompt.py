@@ -61,13 +61,23 @@ def _filler(tokenizer, count: int) -> list[int]:
     return ids[:count]
 
 
+def _parts(tokenizer, key: str) -> tuple[list[int], list[int], list[int]]:
+    """The prompt without filler: (BOS,) task; needle line; question."""
+    return (leading_specials(tokenizer) + token_ids(tokenizer, TASK + "\n"), token_ids(tokenizer, "\n" + needle(key) + "\n"),
+            token_ids(tokenizer, "\n" + QUESTION))
+
+
+def shortest_prompt(tokenizer, keys: list[str]) -> int:
+    """The tokens of the longest prompt without filler over ``keys`` (their digits may take
+    more or fewer tokens): no shorter length can hold the prompt of every key."""
+    return max(sum(map(len, _parts(tokenizer, key))) for key in keys)
+
+
 def build_prompt(tokenizer, length: int, depth: float, key: str) -> Prompt:
     """A prompt of exactly ``length`` tokens with the needle after ``depth`` (0..1) of the filler."""
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"needle depth={depth} must be within [0, 1]")
-    head = leading_specials(tokenizer) + token_ids(tokenizer, TASK + "\n")
-    hidden = token_ids(tokenizer, "\n" + needle(key) + "\n")
-    question = token_ids(tokenizer, "\n" + QUESTION)
+    head, hidden, question = _parts(tokenizer, key)
     room = length - len(head) - len(hidden) - len(question)
     if room < 0:
         raise ValueError(f"passkey length={length} is shorter than the prompt without filler ({length - room} tokens)")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import platform
 from pathlib import Path
+from typing import Any, Callable, Optional, TextIO
 
 from sparse_ft.config.keyvalue import parse_assignments
 from sparse_ft.modeling.dtypes import NAMES as DTYPES
@@ -24,8 +25,17 @@ def _method_args(items: list[str]) -> dict:
 
 
 def _model_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="HF id, local directory, or 'tiny' (built-in test model); "
-                   "default: with --adapter, the base it was trained on, else required")
+    loading_flags(p)
+    p.add_argument("--output", type=Path, default=None, help="results JSON (default: none, the table only)")
+    p.add_argument("--label", default=None, help="name of this run in tables and plots (default: the method)")
+    overwrite_flag(p)
+
+
+def loading_flags(p: argparse.ArgumentParser) -> None:
+    """The model, adapter, method and how they load: ``eval`` and ``generate`` take the same."""
+    p.add_argument("--model", default=None, help="HF id, local directory, or 'tiny' (built-in test model with random "
+                   "weights; assets/tiny-base is the pretrained one); default: with --adapter, the base it was trained on, "
+                   "else required")
     p.add_argument("--adapter", default=None, help="adapter directory written by sparse-ft train (default: none)")
     p.add_argument("--allow-other-base", action="store_true",
                    help="evaluate --adapter on a --model with other weights than the base it was trained on")
@@ -38,12 +48,9 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bnb-compute-dtype", default="float32", choices=DTYPES, help="dtype the 4-bit matmuls run in")
     p.add_argument("--device", default=None, help="e.g. cuda:0 or cpu (default: cuda when available, else cpu)")
     p.add_argument("--trust-remote-code", action="store_true", help="run code from the model repository")
-    p.add_argument("--output", type=Path, default=None, help="results JSON (default: none, the table only)")
-    p.add_argument("--label", default=None, help="name of this run in tables and plots (default: the method)")
-    _overwrite_flag(p)
 
 
-def _overwrite_flag(p: argparse.ArgumentParser) -> None:
+def overwrite_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace output files that hold an earlier sparse-ft output")
 
 
@@ -61,11 +68,11 @@ def configure(ev: argparse.ArgumentParser) -> None:
                          description="PPL vs length, one line per results file of eval ppl --output")
     g.add_argument("results", nargs="+", type=Path, help="results JSON files of eval ppl --output")
     g.add_argument("--output", type=Path, required=True, help="the PNG to write")
-    _overwrite_flag(g)
+    overwrite_flag(g)
     g.set_defaults(func=run_plot)
 
 
-def _method(args, lengths: list[int]):
+def method_from_args(args, lengths: list[int]):
     """The method, checked at every length it will run at (a pattern whose chunks would hold
     fewer than 2 keys there is refused, not run as attention to each token alone)."""
     from sparse_ft import methods
@@ -106,7 +113,7 @@ def _check_outputs(args, inputs: dict, *flags: str, pictures: tuple[str, ...] = 
             check_format(path, f"--{flag}")
 
 
-def _model_inputs(args) -> dict:
+def model_inputs(args) -> dict:
     """The local inputs of a model's evaluation, by flag."""
     from sparse_ft.modeling.tiny import is_built_in
 
@@ -126,9 +133,11 @@ def _check_markdown(args, inputs: dict) -> Path:
     return markdown
 
 
-def _load(args, method, tokenizer: bool = True):
-    """The model and tokenizer (the method checked against the model's config before the
-    weights load); says what the method reads from the config."""
+def load_model(args, method, tokenizer: bool = True, *, check_config: Optional[Callable[[Any], None]] = None,
+          log: Optional[TextIO] = None):
+    """The model and tokenizer (the method, and ``check_config`` if given, checked against the
+    model's config before the weights load); says on ``log`` (default stdout) what the method
+    reads from the config."""
     from sparse_ft.modeling.attention import pretrained
     from sparse_ft.modeling.devices import default_device
     from sparse_ft.modeling.dtypes import torch_dtype
@@ -139,23 +148,33 @@ def _load(args, method, tokenizer: bool = True):
     model, tok = loading.load(args.model, args.adapter, args.dtype, args.load_in_4bit, load_in_8bit=args.load_in_8bit,
                               compute_dtype=args.bnb_compute_dtype, trust_remote_code=args.trust_remote_code,
                               device=args.device, tokenizer=tokenizer, allow_other_base=args.allow_other_base,
-                              check_config=method.check_model)
+                              check_config=lambda config: _check_config(config, method, check_config))
     said = method.describe(pretrained(model).config)
     if said:
-        print(said)
+        print(said, file=log)
     return model, tok
+
+
+def _check_config(config: Any, method, check: Optional[Callable[[Any], None]]) -> None:
+    method.check_model(config)
+    if check is not None:
+        check(config)
 
 
 QUANTISED = {"load_in_4bit": "NF4", "load_in_8bit": "LLM.int8"}
 
 
 def _label(args) -> str:
-    """The run's name in tables and plots: the method, the adapter, and the quantisation (an NF4
-    run is not the model in full precision)."""
+    """The run's name in tables and plots: the method, the adapter, the quantisation (an NF4
+    run is not the model in full precision), and the built-in model's random weights (its
+    numbers measure no pretrained model)."""
+    from sparse_ft.modeling.tiny import RANDOM_LABEL, is_built_in
+
     if args.label:
         return args.label
     bits = [name for flag, name in QUANTISED.items() if getattr(args, flag)]
-    return args.method + (f" + {Path(args.adapter).name}" if args.adapter else "") + "".join(f" ({b})" for b in bits)
+    random = f" on {RANDOM_LABEL}" if is_built_in(getattr(args, "model", None) or "") else ""
+    return args.method + (f" + {Path(args.adapter).name}" if args.adapter else "") + "".join(f" ({b})" for b in bits) + random
 
 
 def _model_name(args) -> str:
@@ -182,18 +201,20 @@ def run_task(args) -> int:
     tokenizer (text data tokenised, RULER's prompts built: a length too short fails here),
     then the weights, the evaluation, the table, the results JSON and markdown, the picture."""
     from sparse_ft.evaluation import loading, tasks
+    from sparse_ft.modeling.attention import FirstForwardCheck
 
     task = tasks.TASKS.factory(args.eval).from_args(args)
-    method = _method(args, task.lengths)
+    method = method_from_args(args, task.lengths)
     task.check_method(method)
     args.model = args.model or loading.recorded_base(args.adapter)
-    inputs = {**_model_inputs(args), **task.inputs()}
+    inputs = {**model_inputs(args), **task.inputs()}
     _check_outputs(args, inputs, "output", pictures=(task.picture,) if task.picture else ())
     if args.output is not None:
         _check_markdown(args, inputs)
     tokenizer = loading.tokenizer_for(args.model, args.adapter, args.trust_remote_code) if task.needs_tokenizer() else None
     task.prepare(tokenizer)
-    model, _ = _load(args, method, tokenizer=False)
+    model, _ = load_model(args, method, tokenizer=False)
+    FirstForwardCheck(model, when=f"--method {args.method}")  # the method asked for is the one that runs
     rows = task.evaluate(model, tokenizer, method)
     label = _label(args)
     _emit(args, model, label, task.table(rows, label), results=rows, summary=task.summary_of(rows))

@@ -11,6 +11,7 @@ import time
 import torch
 from tqdm import tqdm
 
+from sparse_ft import console
 from sparse_ft.data.passkey_prompt import build_prompt, token_ids
 from sparse_ft.methods import Method
 
@@ -22,20 +23,28 @@ def retrieved(text: str, key: str) -> bool:
     return found is not None and found.group() == key
 
 
+def keys(trials: int, seed: int) -> list[str]:
+    """The ``trials`` 5-digit keys of ``seed``: every cell asks the same ones."""
+    if trials < 1:  # a cell of no trials has no accuracy
+        raise ValueError(f"passkey: trials={trials} must be >= 1")
+    rng = random.Random(seed)
+    return [str(rng.randint(10000, 99999)) for _ in range(trials)]
+
+
 def evaluate(model, tokenizer, lengths: list[int], depths: list[float], *, trials: int, method: Method,
              seed: int = 0) -> list[dict]:
     """One cell per (length, depth); every cell uses the same ``trials`` seeded keys, so cells
     differ only in length and depth."""
-    rng = random.Random(seed)
-    keys = [str(rng.randint(10000, 99999)) for _ in range(trials)]
+    asked = keys(trials, seed)
     cells = []
-    bar = tqdm(total=len(lengths) * len(depths) * trials, desc="passkey", unit="trial")
+    bar = tqdm(total=len(lengths) * len(depths) * trials, desc=console.bar_label("passkey"), unit="trial")
     for length in lengths:
         method.apply(model, length)
         for depth in depths:
-            began, outputs, hits = time.perf_counter(), [], 0
-            for key in keys:
+            began, outputs, hits, tokens = time.perf_counter(), [], 0, 0
+            for key in asked:
                 prompt = build_prompt(tokenizer, length, depth, key)
+                tokens = len(prompt.ids)
                 budget = len(token_ids(tokenizer, " " + key)) + 3
                 with torch.inference_mode():
                     new = method.generate(model, tokenizer, context_ids=prompt.context_ids, question_ids=prompt.question_ids,
@@ -44,7 +53,7 @@ def evaluate(model, tokenizer, lengths: list[int], depths: list[float], *, trial
                 hits += retrieved(outputs[-1], key)
                 bar.update()
             cells.append({"length": length, "depth": depth, "accuracy": hits / trials, "trials": trials,
-                          "prompt_tokens": len(prompt.ids), "seconds": time.perf_counter() - began,
-                          "keys": keys, "outputs": outputs})
+                          "prompt_tokens": tokens, "seconds": time.perf_counter() - began,
+                          "keys": asked, "outputs": outputs})
     bar.close()
     return cells

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from sparse_ft import console
 from sparse_ft.methods import Method
 from sparse_ft.evaluation.scoring import window_nll
 from sparse_ft.evaluation.windows import plan
@@ -27,7 +28,7 @@ def evaluate_length(model, tokens: np.ndarray, length: int, stride: int, *, scor
     device = next(model.parameters()).device
     nll_sum, count, window_means = 0.0, 0, []
     began = time.perf_counter()
-    bar = tqdm(total=len(windows), desc=f"ppl @ {length}", unit="window", leave=False)
+    bar = tqdm(total=len(windows), desc=console.bar_label(f"ppl @ {length}"), unit="window", leave=False)
     # windows of equal shape share a batch (only the last standard window can be shorter)
     for _, group in groupby(windows, key=lambda w: (w.end - w.begin, w.first - w.begin, w.last - w.begin)):
         group = list(group)

@@ -27,9 +27,12 @@ def write_markdown(path: Path, title: str, table: str, *, command: Optional[str]
 
 
 def model_name(model: str) -> str:
-    """A model as titles name it: a local directory by its name, an HF id (or ``tiny``) whole."""
+    """A model as titles name it: a local directory by its name, an HF id whole, the built-in
+    ``tiny`` as having random weights."""
+    from sparse_ft.modeling.tiny import display_name
+
     path = Path(model).expanduser()
-    return path.resolve().name if path.is_dir() else model
+    return path.resolve().name if path.is_dir() else display_name(model)
 
 
 def read_ppl(path: Path) -> tuple[str, list[dict], Optional[str]]:

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
+from sparse_ft.evaluation.names import FLAGS, BadParameter, Names
+
 SCORINGS = ("standard", "longlora")
 
 
@@ -38,17 +40,19 @@ class Window(NamedTuple):
         return self.last - self.first
 
 
-def check(lengths: list[int], stride: int) -> None:
-    """Window lengths and the stride that score every token: ``ValueError`` naming the flags."""
-    if stride < 1:
-        raise ValueError(f"--stride {stride} must be >= 1")
+def check(lengths: list[int], stride: int, names: Names = FLAGS) -> None:
+    """Window lengths and the stride that score every token: a ``ValueError`` naming them as
+    ``names`` says (eval's flags, or a recipe's keys)."""
+    if isinstance(stride, bool) or not isinstance(stride, int) or stride < 1:
+        raise BadParameter(f"{names.say('stride', stride)} must be an integer >= 1")
     short = [n for n in lengths if n < 2]
     if short:
-        raise ValueError(f"--lengths {short[0]}: a window needs >= 2 tokens (its first predicts the second)")
+        raise BadParameter(f"{names.entry('lengths', short[0])}: a window needs >= 2 tokens (its first predicts the second)")
     narrow = [n for n in lengths if n < stride]
     if narrow:
-        raise ValueError(f"--stride {stride} is longer than the window --lengths {narrow[0]}: the {stride - narrow[0]} "
-                         f"tokens between two windows would never be scored; use --stride <= {min(lengths)}")
+        raise BadParameter(f"{names.say('stride', stride)} is longer than the window {names.entry('lengths', narrow[0])}: "
+                           f"the {stride - narrow[0]} tokens between two windows would never be scored; use "
+                           f"{names.key('stride')} <= {min(lengths)}")
 
 
 def plan(total: int, length: int, stride: int, scoring: str = "standard", *,

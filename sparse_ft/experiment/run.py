@@ -237,7 +237,7 @@ class Runner:
         else:  # an interrupted run of these settings (preempted, stopped) resumes: the trainer checks they match
             recipe.train.resume = "auto"
         began = time.perf_counter()
-        with console.quieter():  # the progress bar names the run; -v prints each run's summary
+        with console.quieter():  # the progress bar names the row (console.row); -v prints each run's summary
             summary = train(recipe)
         seconds = time.perf_counter() - began
         write_json(stamp, {"key": key, "train_seconds": seconds, "summary": summary})
@@ -343,8 +343,14 @@ class Runner:
     def run(self) -> dict:
         began = time.perf_counter()
         val = self.data()
-        rows = [self.fine_tuned(p, s, val) for p in self.cfg.patterns for s in self.cfg.seeds]
-        rows += [self.training_free(m, val) for m in self.cfg.free_methods]
+        rows = []
+        for pattern in self.cfg.patterns:
+            for seed in self.cfg.seeds:
+                with console.row(f"{pattern}-seed{seed}"):  # every progress bar names the row it runs for
+                    rows.append(self.fine_tuned(pattern, seed, val))
+        for label in self.cfg.free_methods:
+            with console.row(label):
+                rows.append(self.training_free(label, val))
         # reused rows and adapters keep the seconds they took when made: their sum is the cost
         # of the whole table even when this invocation only filled in what changed
         row_seconds = sum(r.get("train_seconds", 0.0) + r["eval_seconds"] + r.get("ruler", {}).get("seconds", 0.0)

@@ -98,16 +98,17 @@ def _png_text(path: Path, key: str) -> Optional[str]:
 
 def written_by(path: Path) -> Optional[str]:
     """The command that wrote ``path``, read from the marker it carries: a directory's
-    ``OUTPUT_MARKER``, a JSON object's ``OUTPUT_FIELD``, a PNG's text chunk of that name, a
-    markdown file's last line (``markdown_marker``). ``None`` for anything else: a file sparse-ft
-    did not write, or wrote before it marked its files."""
+    ``OUTPUT_MARKER``, a JSON object's ``OUTPUT_FIELD`` (in JSON lines, the first row's), a PNG's
+    text chunk of that name, a markdown file's last line (``markdown_marker``). ``None`` for
+    anything else: a file sparse-ft did not write, or wrote before it marked its files."""
     path = Path(path)
     if path.is_dir():
         found = marker(path)
         return found[0] if found else None
     try:
-        if path.suffix == ".json":
-            payload = json.loads(path.read_text())
+        if path.suffix in (".json", ".jsonl"):
+            with open(path) as f:
+                payload = json.loads(f.read() if path.suffix == ".json" else f.readline())
             writer = payload.get(OUTPUT_FIELD) if isinstance(payload, dict) else None
         elif path.suffix == ".png":
             writer = _png_text(path, OUTPUT_FIELD)
@@ -345,6 +346,20 @@ def write_synced(path: Path, data: bytes) -> None:
             os.fsync(f.fileno())
     except OSError as err:
         raise OSError(err.errno, err.strerror or str(err), str(path)) from err
+
+
+def os_error(err: Exception, path: Path) -> Optional[OSError]:
+    """A library's error for a failed write as the ``OSError`` it reports, naming ``path``
+    (safetensors' writer, under PEFT's ``save_pretrained``, raises ``SafetensorError: ... No
+    space left on device (os error 28)``), so that a full disk is the one line every other
+    write gives; None for an error that is no failed write."""
+    if isinstance(err, OSError):
+        return err
+    found = re.search(r"\(os error (\d+)\)", str(err))
+    if found is None:
+        return None
+    code = int(found[1])
+    return OSError(code, os.strerror(code), str(path))
 
 
 RUN_LOCK = "train.lock"  # in a training run's output directory

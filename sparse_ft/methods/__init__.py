@@ -19,8 +19,9 @@ methods install themselves through ``sparse_ft.modeling.attention``, which never
 
 from __future__ import annotations
 
-from sparse_ft.methods.base import METHODS, AlgorithmMethod, Method, Supports, cached_generate, register, reprefill_generate
-from sparse_ft.methods.lookup import for_training, get, names, resolve
+from sparse_ft.methods.base import (METHODS, AlgorithmMethod, Method, Sampling, Supports, cached_generate, register,
+                                    reprefill_generate)
+from sparse_ft.methods.lookup import for_training, get, names, resolve, trainable_names
 from sparse_ft.methods.pattern import ModelAttention, PatternMethod
 
 # the modules whose methods register themselves on import, in the order tables list them
@@ -29,5 +30,5 @@ from sparse_ft.methods import dca as _dca  # noqa: E402,F401
 from sparse_ft.methods import longheads as _longheads  # noqa: E402,F401
 from sparse_ft.methods import parallelcomp as _parallelcomp  # noqa: E402,F401
 
-__all__ = ["METHODS", "AlgorithmMethod", "Method", "ModelAttention", "PatternMethod", "Supports", "cached_generate",
-           "for_training", "get", "names", "register", "reprefill_generate", "resolve"]
+__all__ = ["METHODS", "AlgorithmMethod", "Method", "ModelAttention", "PatternMethod", "Sampling", "Supports", "cached_generate",
+           "for_training", "get", "names", "register", "reprefill_generate", "resolve", "trainable_names"]

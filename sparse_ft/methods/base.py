@@ -23,6 +23,7 @@ from attn_patterns.algorithm import Algorithm
 from attn_patterns.kernels import triton_unsupported
 from attn_patterns.registry import Registry
 from sparse_ft.modeling.attention import use_attention
+from sparse_ft.modeling.rope import context_length
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,18 @@ class Supports:
     kv_cache: bool = False  # decodes against a KV cache; otherwise generation re-runs the sequence
     padding: tuple[str, ...] = ("left", "right")  # padding sides of a batch it computes exactly
     backends: tuple[Optional[str], ...] = (None,)  # kernel choices its ``backend`` parameter takes
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampled decoding instead of greedy: ``temperature`` > 0 and nucleus ``top_p`` in (0, 1],
+    nothing else (transformers' default top-k of 50 is switched off)."""
+
+    temperature: float
+    top_p: float = 1.0
+
+    def generate_kwargs(self) -> dict[str, Any]:
+        return {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p, "top_k": 0}
 
 
 class Method:
@@ -74,6 +87,13 @@ class Method:
         """Refuse a sequence length this method degenerates at (``ValueError``), before a model
         loads: recipes check ``data.seq_len``, ``eval`` every ``--lengths``."""
 
+    def max_length(self, config: Any) -> Optional[int]:
+        """The longest sequence (prompt and generated tokens) this method runs a model with
+        ``config`` at, or None for no bound: by default the model's context, which a method
+        made to go beyond it (RoPE scaling to the length asked, DCA, LongHeads, ParallelComp)
+        lifts. ``generate`` refuses a longer prompt before the weights load."""
+        return context_length(config)
+
     def describe(self, config: Any) -> Optional[str]:
         """The settings this method takes from a model with ``config``, for the CLI to say
         (None: nothing beyond the parameters the user gave)."""
@@ -91,16 +111,26 @@ class Method:
         return generate(model, tokenizer, context_ids=context_ids, question_ids=question_ids,
                         max_new_tokens=max_new_tokens)
 
+    @property
+    def decodes_itself(self) -> bool:
+        """Whether :meth:`generate` is the method's own greedy loop (ParallelComp), not
+        transformers' ``generate``: then it samples nothing and streams nothing."""
+        return type(self).generate is not Method.generate
+
     def generate_batch(self, model: torch.nn.Module, tokenizer: Any, *, prompts: Sequence[tuple[list[int], list[int]]],
-                       max_new_tokens: int) -> list[list[int]]:
+                       max_new_tokens: int, sampling: Optional[Sampling] = None, streamer: Any = None) -> list[list[int]]:
         """:meth:`generate` for several ``(context_ids, question_ids)`` prompts at once: one
-        left-padded batch through transformers' ``generate`` (every row as it is alone), or
-        prompt by prompt for a method that generates its own way (ParallelComp)."""
-        if type(self).generate is not Method.generate:
+        left-padded batch through transformers' ``generate`` (every row as it is alone, greedy
+        or with ``sampling``; ``streamer`` is transformers' streamer), or prompt by prompt for
+        a method that generates its own way (ParallelComp: greedy, nothing streamed)."""
+        if self.decodes_itself:
+            if sampling is not None or streamer is not None:
+                raise ValueError(f"{self.name} decodes greedily in its own loop: it takes no sampling and no streamer")
             return [self.generate(model, tokenizer, context_ids=context, question_ids=question,
                                   max_new_tokens=max_new_tokens) for context, question in prompts]
         return left_padded_generate(model, tokenizer, prompts=[[*c, *q] for c, q in prompts],
-                                    max_new_tokens=max_new_tokens, use_cache=self.supports.kv_cache)
+                                    max_new_tokens=max_new_tokens, use_cache=self.supports.kv_cache, sampling=sampling,
+                                    streamer=streamer)
 
     def check_inputs(self, attention_mask: Optional[torch.Tensor], dropout: float = 0.0) -> None:
         """For training-free methods (no attention dropout) that compute padded batches only
@@ -143,6 +173,10 @@ class AlgorithmMethod(Method):
     def backend(self) -> Optional[str]:
         return getattr(self.algorithm, "backend", None)
 
+    def max_length(self, config: Any) -> Optional[int]:
+        """None: positions beyond the context are what the algorithm is for."""
+        return None
+
 
 METHODS: Registry[Method] = Registry("method", Method)
 register = METHODS.register
@@ -178,17 +212,19 @@ def cached_generate(model: torch.nn.Module, tokenizer: Any, *, context_ids: list
 
 @torch.inference_mode()
 def left_padded_generate(model: torch.nn.Module, tokenizer: Any, *, prompts: Sequence[list[int]], max_new_tokens: int,
-                         use_cache: bool) -> list[list[int]]:
-    """Greedy new tokens of each prompt, the prompts left-padded into one batch as ``generate``
-    expects (positions counted from each row's first real token), each row's up to its EOS."""
+                         use_cache: bool, sampling: Optional[Sampling] = None, streamer: Any = None) -> list[list[int]]:
+    """New tokens of each prompt, greedy or with ``sampling``, the prompts left-padded into one
+    batch as ``generate`` expects (positions counted from each row's first real token), each
+    row's up to its EOS; ``streamer`` (transformers') sees the tokens as they come."""
     if not prompts:
         return []
     longest = max(len(p) for p in prompts)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     ids = torch.tensor([[pad] * (longest - len(p)) + list(p) for p in prompts], device=model_device(model))
     mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts], device=ids.device)
-    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                         use_cache=use_cache, pad_token_id=pad)
+    decoding = sampling.generate_kwargs() if sampling is not None else {"do_sample": False}
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, use_cache=use_cache,
+                         pad_token_id=pad, streamer=streamer, **decoding)
     rows = out[:, longest:].tolist()
     eos = tokenizer.eos_token_id
     return [row[: row.index(eos) + 1] if eos in row else row for row in rows]

@@ -71,6 +71,40 @@ def params_from_config(dca_config: dict[str, Any]) -> dict[str, Any]:
     return params
 
 
+# The model families whose serving code passes dual_chunk_attention_config to its rotary embedding and
+# attention (vLLM and SGLang ``models/qwen2.py``, ``qwen3.py``, ``qwen3_moe.py``; docs/serving.md).
+SERVED_FAMILIES = ("qwen2", "qwen3", "qwen3_moe")
+# what an export takes: the qwen variant's sizes and whether its logit scale is on
+EXPORT_PARAMS = ("chunk_size", "local_window", "pretraining_length", "logit_scale")
+
+
+def engine_config(config: Any, params: dict[str, Any]) -> dict[str, Any]:
+    """The ``dual_chunk_attention_config`` that makes the serving engines run DCA with
+    ``params`` (``EXPORT_PARAMS``) on a model with ``config``: the inverse of
+    :func:`params_from_config`, sizes from the ``qwen`` variant (the engines' DCA) with the
+    model's context as c. The engines rotate DCA's positions with plain RoPE
+    (``DualChunkRotaryEmbedding``: ``rope_theta`` only), so a model with RoPE scaling is refused
+    rather than served with other positions than it was trained with."""
+    from sparse_ft.modeling.rope import rope_parameters
+
+    unknown = sorted(set(params) - set(EXPORT_PARAMS))
+    if unknown:
+        raise ValueError(f"--method dca: --method-arg {', '.join(unknown)} cannot be exported; allowed: {', '.join(EXPORT_PARAMS)}")
+    family = getattr(config, "model_type", None)
+    if family not in SERVED_FAMILIES:
+        raise ValueError(f"--method dca: model_type={family!r}: the engines read {CONFIG_KEY} only for "
+                         f"{', '.join(SERVED_FAMILIES)} (vLLM / SGLang model code); other models need sparse-ft's --method dca")
+    rope_type = rope_parameters(config)["rope_type"]
+    if rope_type != "default":
+        raise ValueError(f"--method dca: the model has rope_type={rope_type!r}, which the engines' DCA drops (it rotates "
+                         "with plain RoPE and rope_theta): export DCA only from a model without RoPE scaling")
+    algorithm = DualChunkAttention(variant="qwen", **params)
+    if algorithm.logit_scale not in ("qwen", "none"):
+        raise ValueError(f"--method dca: logit_scale={algorithm.logit_scale!r} is not the engines'; allowed: qwen, none")
+    s, w, c = algorithm.sizes(int(config.max_position_embeddings))
+    return {"chunk_size": s, "local_size": w, "original_max_position_embeddings": c if algorithm.logit_scale == "qwen" else 0}
+
+
 def sparse_prefill_enabled(dca_config: dict[str, Any]) -> bool:
     """Whether the engines would switch to sparse prefill (their rule: enabled unless said
     otherwise as soon as a sparse_attention_config is given)."""

@@ -22,6 +22,14 @@ def names(where: Optional[Callable[[Supports], bool]] = None) -> list[str]:
     return [n for n in every if _buildable(n) and where(get(n).supports)]
 
 
+def trainable_names() -> list[str]:
+    """What a recipe's ``attention.pattern`` (and ``plan --patterns``) may name, in
+    :func:`names`' order, read from the registries' classes without building one: every
+    pattern trains, a method says so in its class's ``supports.training`` (``mixed``, which
+    needs parameters to build, is listed too)."""
+    return [n for n in names() if n in PATTERNS or METHODS.factory(n).supports.training]
+
+
 def _buildable(name: str) -> bool:
     try:
         get(name)
@@ -80,10 +88,11 @@ def for_training(name: str, params: dict, backend: Optional[str], dtype: str) ->
     """The method a recipe trains through, and its backend with ``auto`` resolved on this
     machine among the backends the method takes (flash-attn only where it can run: CUDA,
     fp16/bf16, installed). Every error says which recipe key is wrong."""
+    trainable = trainable_names()
+    if name not in trainable:
+        why = "cannot train (it is a training-free method)" if name in names() else "is unknown"
+        raise ValueError(f"pattern={name!r} {why}; allowed: {', '.join(trainable)}")
     method = get(name, "pattern", **params)
-    if not method.supports.training:
-        trainable = names(lambda s: s.training)
-        raise ValueError(f"pattern={name!r} cannot train (it is a training-free method); allowed: {', '.join(trainable)}")
     if backend == "auto":
         backend = auto_backend(dtype != "float32", method.supports.backends)
     if backend not in method.supports.backends:

@@ -333,6 +333,10 @@ class ParallelComp(Method):
     def __init__(self, **params: Any) -> None:
         self.config = ParallelCompConfig(**params)
 
+    def max_length(self, config: Any) -> Optional[int]:
+        """None: chunks reuse positions, so the context may be any length."""
+        return None
+
     def generate(self, model, tokenizer, *, context_ids, question_ids, max_new_tokens) -> list[int]:
         return generate(model, tokenizer, context_ids=context_ids, question_ids=question_ids,
                         max_new_tokens=max_new_tokens, config=self.config)

@@ -11,7 +11,7 @@ the model was loaded with is restored before each length and scaled from there.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -30,6 +30,13 @@ class RopeScaling(Method):
             raise ValueError(f"--method-arg factor={factor!r} must be a number >= 1")
         self.factor = factor
         self._loaded: Optional[tuple[dict, int]] = None
+
+    def max_length(self, config: Any) -> Optional[int]:
+        """The scaling follows the length asked up to ``rope.MAX_FACTOR`` in total; a fixed
+        ``factor`` reaches the context times it."""
+        if self.factor is None:
+            return int(rope.context_length(config) * rope.MAX_FACTOR / float(rope.rope_parameters(config)["factor"]))
+        return round(rope.context_length(config) * self.factor)
 
     def apply(self, model: torch.nn.Module, length: int) -> None:
         base = pretrained(model)

@@ -12,7 +12,8 @@ job (``sparse_ft.methods.get``), and ``sparse_ft.use_attention`` does both in on
 
 from __future__ import annotations
 
-from typing import Any, Optional, Protocol
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional, Protocol
 
 import torch
 
@@ -35,6 +36,11 @@ class AttentionMethod(Protocol):
     def check_model(self, config: Any) -> None: ...
 
 
+class AttentionNotCalled(ValueError):
+    """A layer the toolkit's method was installed on did not call it (the model attended
+    another way), or runs the toolkit's attention function with no method."""
+
+
 def sparse_ft_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         attention_mask: Optional[torch.Tensor], **kwargs: Any) -> tuple[torch.Tensor, None]:
     """The attention function transformers calls: the layer's method does the work."""
@@ -44,7 +50,7 @@ def sparse_ft_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
 def _method_of(module: torch.nn.Module) -> AttentionMethod:
     method = getattr(module, _METHOD_ATTR, None)
     if method is None:
-        raise ValueError(
+        raise AttentionNotCalled(
             f"{type(module).__name__} runs attn_implementation={IMPLEMENTATION!r} but has no method; "
             "switch models with sparse_ft.use_attention(model, name)"
         )
@@ -151,3 +157,81 @@ def _set_implementation(model, implementation: str) -> None:
 def current_method(model: torch.nn.Module) -> Optional[AttentionMethod]:
     """The method the model's layers use, or None for the model's own attention."""
     return getattr(attention_layers(pretrained(model))[0], _METHOD_ATTR, None)
+
+
+# --- the method installed is the method that ran --------------------------------------------
+class _Counted:
+    """A layer's method while :func:`checked_calls` counts its calls; anything else read from
+    it is the method's."""
+
+    def __init__(self, method: AttentionMethod) -> None:
+        self.method = method
+        self.calls = 0
+
+    def __call__(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attention_mask: Optional[torch.Tensor], **kwargs: Any) -> tuple[torch.Tensor, None]:
+        self.calls += 1
+        return self.method(module, query, key, value, attention_mask, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.method, name)
+
+
+@contextmanager
+def checked_calls(model: torch.nn.Module, *, when: str) -> Iterator[None]:
+    """Raise :class:`AttentionNotCalled` after the block (a forward) unless every attention
+    layer of ``model`` called the method installed in it. A library that picks its own
+    backend (the model switched back to sdpa, a layer replaced) would otherwise route
+    attention around the method and train or score another kernel with no error (axolotl
+    PR #3928). Each layer's method is wrapped in a counter for the block only, so later
+    forwards cost nothing; a model running its own attention (``full``) is not checked."""
+    layers = attention_layers(pretrained(model))
+    counters = {layer: _Counted(getattr(layer, _METHOD_ATTR)) for layer in layers if hasattr(layer, _METHOD_ATTR)}
+    if not counters:
+        yield
+        return
+    for layer, counter in counters.items():
+        setattr(layer, _METHOD_ATTR, counter)
+    try:
+        yield
+    finally:
+        for layer, counter in counters.items():
+            if getattr(layer, _METHOD_ATTR, None) is counter:  # not if the block switched methods itself
+                setattr(layer, _METHOD_ATTR, counter.method)
+    missed = [layer for layer in layers if layer not in counters or counters[layer].calls == 0]
+    if missed:
+        method = next(iter(counters.values())).method
+        ran = sorted({f"{type(layer).__name__} with attn_implementation={getattr(layer.config, '_attn_implementation', None)!r}"
+                      for layer in missed})
+        raise AttentionNotCalled(
+            f"{when}: attention layer(s) {', '.join(str(layer.layer_idx) for layer in missed)} of {len(layers)} did not "
+            f"call the installed method {method.name!r} (they ran {'; '.join(ran)}): something switched the model's "
+            "attention or replaced those layers after sparse-ft installed it, so another kernel would run"
+        )
+
+
+class FirstForwardCheck:
+    """:func:`checked_calls` around the first forward of ``model``'s decoder (what the causal
+    LM's forward, generation and the chunked scoring all run) that runs with a method
+    installed, through two hooks removed after it: evaluation's check, whose tasks install
+    their method per length inside."""
+
+    def __init__(self, model: torch.nn.Module, *, when: str) -> None:
+        self.model = model
+        self.when = when
+        self.check: Optional[Any] = None  # the open check of the forward in progress
+        base = pretrained(model)
+        self.layers = attention_layers(base)
+        decoder = base.get_decoder()
+        self.hooks = [decoder.register_forward_pre_hook(self._enter), decoder.register_forward_hook(self._leave)]
+
+    def _enter(self, module: torch.nn.Module, args: Any) -> None:
+        if any(hasattr(layer, _METHOD_ATTR) for layer in self.layers):
+            self.check = checked_calls(self.model, when=self.when)
+            self.check.__enter__()
+
+    def _leave(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if self.check is not None:
+            for hook in self.hooks:
+                hook.remove()
+            self.check.__exit__(None, None, None)

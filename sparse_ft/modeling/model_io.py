@@ -94,6 +94,8 @@ def check_model_path(name: str, flag: str) -> None:
     weights (none pickled), or shaped like a Hub id; ``ValueError`` / ``FileNotFoundError`` in
     one line if not."""
     path = Path(name).expanduser()
+    if (path / "adapter_config.json").is_file():
+        raise ValueError(f"{flag} {name} is an adapter directory (adapter_config.json), not a model: pass it as --adapter")
     if not path.exists():
         if not is_repo_id(name) or name.startswith((".", "/", "~")):
             raise FileNotFoundError(f"{flag} {name}: no such directory (a Hub model is named like meta-llama/Llama-2-7b-hf)")
@@ -202,6 +204,17 @@ def base_config_for(adapter_dir: str | os.PathLike, base: Optional[str] = None, 
     if "rope_parameters" in meta:
         rope.restore(config, meta["rope_parameters"], meta["max_position_embeddings"])
     return base, config
+
+
+def adapter_base_config(config_class: Any, meta: dict):
+    """What ``config.json`` beside an adapter holds: its base's config (read with
+    ``config_class``, the class the run loaded, so a model's own code needs no new consent) with
+    the adapter's RoPE configuration put back, in the keys transformers takes
+    (``rope.portable``). ``AutoConfig.from_pretrained(adapter_dir)`` then gives the positions
+    :func:`load_adapter_model` loads with, to a user without sparse-ft."""
+    config = config_class.from_pretrained(meta["base_model"])
+    rope.restore(config, rope.portable(meta["rope_parameters"]), meta["max_position_embeddings"])
+    return config
 
 
 def load_adapter_model(adapter_dir: str | os.PathLike, base: Optional[str] = None, dtype: Any = torch.float32,

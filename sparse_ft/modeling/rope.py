@@ -10,7 +10,7 @@ extended again to 16k ends with factor 4, not 2.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 if TYPE_CHECKING:  # no torch at import: recipes and command-line parsers read METHODS
     import torch
@@ -19,9 +19,33 @@ if TYPE_CHECKING:  # no torch at import: recipes and command-line parsers read M
 # (what ``model.rope_method`` and ``sparse-ft experiment --rope-method`` accept, and what the
 # training-free methods pi / ntk / yarn write), with the name result tables give it.
 METHODS = {"linear": "PI", "dynamic": "dynamic NTK", "yarn": "YaRN"}
+# The largest RoPE scaling factor (target length / the model's pretraining context, composed
+# with any scaling it has) sparse-ft writes: published extensions go to 16-32x (PI: LLaMA 2k to
+# 32k; YaRN: Llama 2 4k to 128k), so 64x is twice the furthest, and a factor past it is a length
+# typed wrong, not an extension anyone has shown to work (it is refused, with no key to force it).
+MAX_FACTOR = 64
 # RoPE types whose frequencies change with the input length: keys rotated at an earlier call
 # (the KV cache) cannot be re-positioned exactly with other frequencies.
 _LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+# The keys transformers takes for each rope_type (5.x ``RotaryEmbeddingConfigMixin._validate_*_rope_parameters``
+# in ``transformers/modeling_rope_utils.py``; 4.x's ``rope_scaling`` takes the same less ``rope_theta``, which it
+# keeps at the top level). Any other key draws "Unrecognized keys in `rope_parameters`" when the config is
+# loaded; sparse-ft keeps ``original_max_position_embeddings`` in memory for every type (``original_context``),
+# and :func:`portable` drops it where transformers does not take it, for configs written for others.
+TRANSFORMERS_KEYS = {
+    "default": {"rope_type", "rope_theta"},
+    "linear": {"rope_type", "factor", "rope_theta"},
+    "dynamic": {"rope_type", "factor", "rope_theta"},
+    "yarn": {"rope_type", "factor", "original_max_position_embeddings", "rope_theta", "attention_factor",
+             "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"},
+    "longrope": {"rope_type", "short_factor", "long_factor", "original_max_position_embeddings", "rope_theta",
+                 "attention_factor", "factor"},
+    "llama3": {"rope_type", "factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor",
+               "rope_theta"},
+}
+_EVERY_TYPE_KEYS = {"partial_rotary_factor"}  # taken by every rope_type
 
 
 def _uses_rope_parameters(config: Any) -> bool:
@@ -68,6 +92,19 @@ def _write(config: Any, params: dict[str, Any]) -> None:
     config.rope_scaling = None if scaling["rope_type"] == "default" else scaling
 
 
+def portable(params: dict[str, Any]) -> dict[str, Any]:
+    """``params`` (as :func:`rope_parameters` gives them) with only the keys transformers takes
+    for their ``rope_type``; a type it does not list here keeps every key."""
+    allowed = TRANSFORMERS_KEYS.get(params.get("rope_type", "default"))
+    return dict(params) if allowed is None else {k: v for k, v in params.items() if k in allowed | _EVERY_TYPE_KEYS}
+
+
+def make_portable(config: Any) -> None:
+    """Rewrite ``config``'s RoPE with only the keys transformers takes (:func:`portable`), so
+    that a config saved from it loads without a warning in transformers 4.x and 5.x."""
+    _write(config, portable(rope_parameters(config)))
+
+
 def restore(config: Any, params: dict[str, Any], max_position_embeddings: int) -> None:
     """Put back a RoPE configuration saved with an adapter (see :func:`rope_parameters`)."""
     _write(config, dict(params))
@@ -82,15 +119,16 @@ def scale_rope(config: Any, factor: float, method: str = "linear") -> dict[str, 
         raise ValueError(f"rope method={method!r} is not supported; allowed: {', '.join(METHODS)}")
     if not factor >= 1.0:
         raise ValueError(f"rope factor={factor} must be >= 1 (RoPE scaling only extends the context)")
+    check_factor(config, factor)
     params = rope_parameters(config)
+    if factor == 1.0:  # within the model's context (Llama-3.1's llama3 128k at 64k): nothing to compose
+        return params
     current = params["rope_type"]
     if current not in ("default", method):  # compositions stay exact only within one kind
         raise ValueError(
             f"cannot compose rope method={method!r} with the model's existing rope_type={current!r}: "
             f"{method!r} composes only with 'default' or {method!r} scaling"
         )
-    if factor == 1.0 and current == "default":
-        return params
     old_context = context_length(config)
     params["original_max_position_embeddings"] = original_context(config)
     params["rope_type"] = method
@@ -102,13 +140,49 @@ def scale_rope(config: Any, factor: float, method: str = "linear") -> dict[str, 
     return params
 
 
-def extend_to(config: Any, target_length: int, method: str = "linear") -> dict[str, Any]:
-    """Extend the model to ``target_length`` tokens: factor = target ÷ current context,
-    composed with any scaling it has. Within the current context nothing changes."""
+def check_factor(config: Any, factor: float) -> None:
+    """Refuse scaling ``config``'s RoPE by ``factor`` when that, composed with the scaling it
+    has, goes past :data:`MAX_FACTOR`; what :func:`scale_rope` does first, and a run's
+    preflight with :func:`extension_factor`, before any weights load."""
+    total = float(rope_parameters(config)["factor"]) * float(factor)
+    if total > MAX_FACTOR:
+        context = original_context(config)
+        raise ValueError(f"RoPE factor {total:,.6g} (the model's pretraining context of {context:,} tokens extended "
+                         f"{total:,.6g}x) is above {MAX_FACTOR}: published PI / YaRN extensions reach 16-32x; at most "
+                         f"{MAX_FACTOR * context:,} tokens on this model")
+
+
+def extension_factor(config: Any, target_length: int) -> float:
+    """The factor :func:`extend_to` scales by: target ÷ current context, 1 within it."""
+    return max(1.0, target_length / context_length(config))
+
+
+def set_native_length(config: Any, native_length: Optional[int]) -> None:
+    """Take ``native_length`` as the context the model was pretrained at, where its config says
+    more without saying how (Qwen2.5-7B's config.json: 131,072; pretrained at 32,768 and
+    extended by YaRN, per its model card): :func:`extend_to` then scales from it. ``None``
+    keeps the config's ``max_position_embeddings``. A model that already carries RoPE scaling
+    states its own window (``original_max_position_embeddings``) and is refused."""
+    if native_length is None:
+        return
+    params, context = rope_parameters(config), context_length(config)
+    if params["rope_type"] != "default":
+        raise ValueError(f"native_length={native_length} is for a model with plain RoPE; this one has "
+                         f"rope_type={params['rope_type']!r}, which states its own pretraining window")
+    if not isinstance(native_length, int) or not 1 <= native_length <= context:
+        raise ValueError(f"native_length={native_length!r} must be a positive integer up to the config's "
+                         f"max_position_embeddings={context:,}")
+    config.max_position_embeddings = native_length
+
+
+def extend_to(config: Any, target_length: int, method: str = "linear", native_length: Optional[int] = None) -> dict[str, Any]:
+    """Extend the model to ``target_length`` tokens: factor = target ÷ current context (or
+    ÷ ``native_length``, :func:`set_native_length`), composed with any scaling it has. Within
+    the context nothing changes."""
     if not isinstance(target_length, int) or target_length < 1:
         raise ValueError(f"target_length={target_length!r} must be a positive integer")
-    factor = max(1.0, target_length / context_length(config))
-    return scale_rope(config, factor, method)
+    set_native_length(config, native_length)
+    return scale_rope(config, extension_factor(config, target_length), method)
 
 
 def refresh_rotary(model: torch.nn.Module) -> int:

@@ -51,7 +51,7 @@ def pattern_setups(text: Optional[str], recipe: Any, base: Any) -> list[Any]:
     from sparse_ft import methods
     from sparse_ft.plan import memory
 
-    allowed = [n for n in methods.names() if _trains(n)]
+    allowed = methods.trainable_names()
     names = methods.names(lambda s: s.training) if text is None else [p.strip() for p in text.split(",") if p.strip()]
     if not names:
         raise ValueError(f"--patterns {text!r} must list at least one pattern; allowed: {', '.join(allowed)}")
@@ -82,12 +82,14 @@ def _registry(name: str):
     return PATTERNS if name in PATTERNS else METHODS
 
 
-def _trains(name: str) -> bool:
-    """From the registries' classes, without building: every pattern trains, a method says so."""
-    from attn_patterns import PATTERNS
-    from sparse_ft.methods import METHODS
-
-    return name in PATTERNS or bool(METHODS.factory(name).supports.training)
+def gpu_count(flag: Optional[int], recipe_gpus: Optional[int], sps: list[int]) -> tuple[int, str]:
+    """The GPUs the plan spans and where the number came from, which the title says: ``--gpus``,
+    else the recipe's ``train.gpus`` (the GPUs it is written for), else the largest ``--sp``."""
+    if flag is not None:
+        return flag, "--gpus"
+    if recipe_gpus is not None:
+        return recipe_gpus, "the recipe's train.gpus"
+    return max(sps), "the largest --sp: the recipe sets no train.gpus"
 
 
 def check_sequence_parallel(sps: list[int], gpus: int, shape: Any) -> None:
@@ -101,6 +103,17 @@ def check_sequence_parallel(sps: list[int], gpus: int, shape: Any) -> None:
             raise ValueError(f"--sp {sp} is invalid: {rule}")
 
 
+def check_lora_rank(lora: Any, shape: Any) -> None:
+    """``lora.r`` by the rule ``train`` applies in its preflight, on the shape's projections."""
+    from sparse_ft.config.schema import fail, lora_rank_rule
+
+    layers = shape.linear_shapes()
+    targets = {t.rsplit(".", 1)[-1] for t in lora.target_modules}
+    rule = lora_rank_rule(lora.r, {name: sides for name, sides in layers.items() if name in targets})
+    if rule is not None:
+        fail("lora.r", lora.r, rule)
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("assignments", nargs="*", metavar="recipe=NAME | KEY=VALUE",
                         help="the recipe and dotted.key=value overrides, as sparse-ft train takes them")
@@ -110,7 +123,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "parameters (chunks) from the recipe's attention.params")
     parser.add_argument("--sp", default=None, help="sequence-parallel sizes (comma list; default: the recipe's train.sequence_parallel_size)")
     parser.add_argument("--gpus", type=int, default=None,
-                        help="GPUs the run spans (ZeRO's partitions; default: the largest --sp)")
+                        help="GPUs the run spans (ZeRO's partitions; default: the recipe's train.gpus, else the largest --sp)")
     parser.add_argument("--kernel", choices=["fused", "math"], default="fused",
                         help="attention kernel: fused (flash / memory-efficient: no scores held) or math (fp32 scores)")
     parser.add_argument("--headroom", type=float, default=0.10,
@@ -147,6 +160,7 @@ def setup_from_recipe(recipe: Any, **changes: Any):
 
 
 def run(args: argparse.Namespace) -> int:
+    from attn_patterns.checks import length_rule
     from sparse_ft.config import load_recipe
     from sparse_ft.files.outputs import check_output_file
     from sparse_ft.plan import memory
@@ -160,12 +174,17 @@ def run(args: argparse.Namespace) -> int:
     name, overrides = recipe_arguments(args)
     recipe = load_recipe(name, overrides)
     sps = _ints(args.sp, "--sp") if args.sp else [recipe.train.sequence_parallel_size]
-    gpus = max(sps) if args.gpus is None else args.gpus
+    gpus, source = gpu_count(args.gpus, recipe.train.gpus, sps)
     if any(gpus % sp for sp in sps):
-        raise ValueError(f"--gpus={gpus} must be a multiple of every --sp ({args.sp})")
+        given = "--gpus" if source == "--gpus" else "the recipe's train.gpus"
+        raise ValueError(f"{given}={gpus} must be a multiple of every --sp ({args.sp})"
+                         + ("" if source == "--gpus" else "; --gpus overrides it"))
     base = setup_from_recipe(recipe, kernel=args.kernel, world_size=gpus)
     check_sequence_parallel(sps, gpus, base.shape)
+    check_lora_rank(recipe.lora, base.shape)
     lengths = _ints(args.lengths, "--lengths") if args.lengths else [recipe.model.target_length]
+    if length_rule(max(lengths)):  # the recipe's target_length was checked when it loaded
+        raise ValueError(f"--lengths {max(lengths)} is invalid: {length_rule(max(lengths))}")
     uneven = [n for n in lengths if n % base.sequence_parallel]
     if uneven:
         raise ValueError(f"--lengths {uneven[0]} must be a multiple of the recipe's train.sequence_parallel_size="
@@ -185,12 +204,12 @@ def run(args: argparse.Namespace) -> int:
                   "total_gib": memory.peak(base, n) / memory.GIB, "host_offload_gib": memory.host_offload(base, n) / memory.GIB}
                  for n in lengths]
     title = (f"sparse-ft plan: {recipe.name} ({base.shape.source}; {base.dtype}"
-             f"{', NF4 base' if base.quantization == 'nf4' else ''}; ZeRO-{base.zero_stage} over {gpus} GPU(s); "
+             f"{', NF4 base' if base.quantization == 'nf4' else ''}; ZeRO-{base.zero_stage} over {gpus} GPU(s) (from {source}); "
              f"{args.kernel} attention kernel; {args.headroom:.0%} of each GPU kept free). Predictions, not measurements.")
     table = markdown(fits, breakdown, list(budgets), base.pattern)
     print(f"{title}\n\n{table}")
     if args.output is not None:
-        _write(args, title, table, {"recipe": recipe.name, "setup": _jsonable(base), "gpu_memory": budgets,
+        _write(args, title, table, {"recipe": recipe.name, "setup": _jsonable(base), "gpus_from": source, "gpu_memory": budgets,
                                     "headroom": args.headroom, "search_limit": memory.SEARCH_LIMIT, "longest_fit": fits,
                                     "breakdown": breakdown})
     return 0

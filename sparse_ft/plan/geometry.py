@@ -1,7 +1,7 @@
 """The shapes the memory planner needs, from a local config, the built-in tiny model, or a
 table of known Hugging Face ids: no hub is reachable offline, and a plan should not need the
 weights. The table's numbers are the ``config.json`` fields of each repository (read there by
-hand; the parameter counts they give match the model cards: 6.74B, 8.03B, 7.24B, 7.62B)."""
+hand; the parameter counts they give match the model cards: 6.74B, 8.03B, 7.24B, 7.25B, 7.62B, 8.19B)."""
 
 from __future__ import annotations
 
@@ -63,6 +63,12 @@ def _hf(repo: str, *, layers: int, hidden: int, heads: int, kv_heads: int, inter
 
 _LLAMA2_7B = _hf("meta-llama/Llama-2-7b-hf", layers=32, hidden=4096, heads=32, kv_heads=32, intermediate=11008, vocab=32000)
 _LLAMA31_8B = _hf("meta-llama/Llama-3.1-8B", layers=32, hidden=4096, heads=32, kv_heads=8, intermediate=14336, vocab=128256)
+# Mistral-7B-v0.3 is v0.1's shape with the vocabulary extended to 32768 (its model card); Qwen2.5's
+# QKV biases and Qwen3's per-head q/k norms are under 0.01% of the weights and left out; Qwen3-8B's
+# head_dim 128 is its hidden 4096 / 32 heads.
+_MISTRAL_V03 = _hf("mistralai/Mistral-7B-v0.3", layers=32, hidden=4096, heads=32, kv_heads=8, intermediate=14336, vocab=32768)
+_QWEN25_7B = _hf("Qwen/Qwen2.5-7B", layers=28, hidden=3584, heads=28, kv_heads=4, intermediate=18944, vocab=152064)
+_QWEN3_8B = _hf("Qwen/Qwen3-8B", layers=36, hidden=4096, heads=32, kv_heads=8, intermediate=12288, vocab=151936)
 KNOWN: dict[str, ModelShape] = {
     "meta-llama/Llama-2-7b-hf": _LLAMA2_7B,
     "meta-llama/Llama-2-7b-chat-hf": _LLAMA2_7B,
@@ -72,8 +78,12 @@ KNOWN: dict[str, ModelShape] = {
     "meta-llama/Meta-Llama-3-8B": _LLAMA31_8B,
     "mistralai/Mistral-7B-v0.1": _hf("mistralai/Mistral-7B-v0.1", layers=32, hidden=4096, heads=32, kv_heads=8,
                                      intermediate=14336, vocab=32000),
-    "Qwen/Qwen2.5-7B": _hf("Qwen/Qwen2.5-7B", layers=28, hidden=3584, heads=28, kv_heads=4, intermediate=18944,
-                           vocab=152064),
+    "mistralai/Mistral-7B-v0.3": _MISTRAL_V03,
+    "mistralai/Mistral-7B-Instruct-v0.3": _MISTRAL_V03,
+    "Qwen/Qwen2.5-7B": _QWEN25_7B,
+    "Qwen/Qwen2.5-7B-Instruct": _QWEN25_7B,
+    "Qwen/Qwen3-8B": _QWEN3_8B,
+    "Qwen/Qwen3-8B-Base": _QWEN3_8B,
 }
 
 

@@ -25,12 +25,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from attn_patterns.checks import MAX_LENGTH
 from attn_patterns.workspace import Workspace, kernel_call
 from sparse_ft.plan.geometry import ModelShape
 
 GIB = 2**30
 HEADROOM = 0.10  # of the GPU's memory, for the CUDA context, NCCL buffers and fragmentation
-SEARCH_LIMIT = 1 << 26  # tokens: longest_fit's ceiling; a longer fit is reported as "more than this"
+# tokens: longest_fit's ceiling, the longest any run may ask for; a longer fit is reported as "more than this"
+SEARCH_LIMIT = MAX_LENGTH
 # bitsandbytes NF4 with double quantisation: 4 bits, an 8-bit absmax per 64 weights, an fp32
 # scale (and offset) per 256 absmax values
 NF4_BITS = 4 + 8 / 64 + 32 / (64 * 256)
@@ -153,7 +155,7 @@ def attention_pattern(setup: Setup):
     method = methods.get(setup.pattern, "pattern", **setup.pattern_params)
     if not method.supports.training:
         raise ValueError(f"pattern={setup.pattern!r} cannot train (a training-free method); allowed: "
-                         f"{', '.join(methods.names(lambda s: s.training))}")
+                         f"{', '.join(methods.trainable_names())}")
     if isinstance(method, PatternMethod):
         return method.pattern
     if method.replaces_attention:

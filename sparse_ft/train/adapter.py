@@ -1,7 +1,10 @@
 """The trained result: one standard PEFT adapter directory (LoRA + the trainable embeddings and
 norms), plus ``sparse_ft.json`` carrying the RoPE configuration it was trained with and the
 fingerprint of its base's weights, so every later load uses the same positions and base
-(``sparse_ft.modeling.model_io.load_adapter_model`` reads it back). The final adapter is one;
+(``sparse_ft.modeling.model_io.load_adapter_model`` reads it back). For loading without
+sparse-ft the directory also carries ``config.json`` (the base's config with the RoPE
+extension, which ``AutoConfig.from_pretrained(adapter_dir)`` reads) and a model card saying how
+(``sparse_ft.train.model_card``). The final adapter is one;
 every checkpoint holds one too (``write_adapter``), so that ``eval`` and ``merge`` take any
 checkpoint of a run.
 
@@ -19,11 +22,13 @@ from typing import Optional
 import torch
 
 from sparse_ft.modeling import rope
-from sparse_ft.modeling.model_io import META_FILE, SHAPE_KEYS
-from sparse_ft.files.outputs import atomic_directory
+from sparse_ft.modeling.model_io import META_FILE, SHAPE_KEYS, adapter_base_config
+from sparse_ft.files.outputs import atomic_directory, os_error
 
-# what write_adapter writes (PEFT adds a README.md model card)
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", META_FILE)
+from sparse_ft.train.model_card import CARD, write_model_card
+
+# what write_adapter writes
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", META_FILE, "config.json", CARD)
 
 
 
@@ -54,9 +59,16 @@ def write_adapter(model, state: dict[str, torch.Tensor], directory: Path, meta: 
     empty = [k for k, v in state.items() if v.numel() == 0]
     if empty:
         raise RuntimeError(f"refusing to save an adapter with empty tensors: {empty[:3]}")
-    # peft picks the adapter's tensors out of this (model-named) state dict
-    model.save_pretrained(str(directory), state_dict=state, safe_serialization=True)
+    try:  # peft picks the adapter's tensors out of this (model-named) state dict
+        model.save_pretrained(str(directory), state_dict=state, safe_serialization=True)
+    except Exception as err:  # safetensors reports a full disk as a SafetensorError: an OSError here
+        failed = os_error(err, directory / ADAPTER_FILES[1])
+        if failed is None:
+            raise
+        raise failed from err
     (directory / META_FILE).write_text(json.dumps(meta, indent=1))
+    adapter_base_config(type(model.get_base_model().config), meta).save_pretrained(str(directory))
+    write_model_card(directory, meta)  # replaces PEFT's empty template
 
 
 def save_adapter(engine, directory: Path, meta: dict, *, tokenizer=None) -> Optional[Path]:

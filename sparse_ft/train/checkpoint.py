@@ -49,7 +49,8 @@ class CorruptCheckpoint(ValueError):
 
 
 class CheckpointWriteError(OSError):
-    """A checkpoint that could not be written (a full disk): the earlier ones are intact."""
+    """A checkpoint, or another file of a run, that could not be written (a full disk): the
+    earlier checkpoints are intact, and the command says so in one line (``write_failed``)."""
 
 
 class NonFiniteWeights(ValueError):
@@ -140,14 +141,19 @@ def save_checkpoint(engine: Engine, output_dir: Path, step: int, meta: dict, *, 
     except OSError as err:
         if engine.rank == 0 and is_ours(tmp):
             shutil.rmtree(tmp, ignore_errors=True)  # frees what the failed write took
-        steps = complete_checkpoints(output_dir)
-        kept = f"the earlier checkpoints are intact (latest: {directory(output_dir, steps[-1]).name})" if steps else "no earlier checkpoint"
-        raise CheckpointWriteError(f"could not write {final}: {err.strerror or err}"
-                                   f"{f' ({err.filename})' if err.filename else ''}; {kept}: "
-                                   "free the space and relaunch to resume") from err
+        raise write_failed(output_dir, final, err) from err
     for old in sorted(complete_checkpoints(output_dir))[:-keep] if keep > 0 else []:
         shutil.rmtree(directory(output_dir, old), ignore_errors=True)
     return final
+
+
+def write_failed(output_dir: Path, target: Path, err: OSError) -> CheckpointWriteError:
+    """The one line for a write of the run that failed: what, why, and the checkpoints kept."""
+    steps = complete_checkpoints(output_dir)
+    kept = f"the earlier checkpoints are intact (latest: {directory(output_dir, steps[-1]).name})" if steps else "no earlier checkpoint"
+    return CheckpointWriteError(f"could not write {target}: {err.strerror or err}"
+                                f"{f' ({err.filename})' if err.filename and str(err.filename) != str(target) else ''}; "
+                                f"{kept}: free the space and relaunch to resume")
 
 
 def _write_parts(engine: Engine, tmp: Path, adapter: Optional[dict]) -> None:

@@ -6,7 +6,8 @@ A resumed run continues its W&B run: the run id is kept in the output directory
 entity, name, group and tags come from the recipe's ``train.wandb``, else from their usual
 environment variables (``WANDB_ENVIRONMENT``), as ``wandb.init``'s own arguments win over its
 environment; TensorBoard writes to ``TENSORBOARD_LOGGING_DIR`` when set (as transformers'
-Trainer), else to ``output_dir/tensorboard``. Both get the resolved recipe as the run's
+Trainer), else to ``output_dir/tensorboard``; preflight checks that directory as it checks
+``train.output_dir`` (``check_tensorboard_dir``). Both get the resolved recipe as the run's
 configuration."""
 
 from __future__ import annotations
@@ -20,11 +21,13 @@ from typing import Optional
 import torch
 
 from sparse_ft.config import Recipe, format_recipe
-from sparse_ft.config.schema import fail
+from sparse_ft.config.schema import BadInput, fail
+from sparse_ft.files.outputs import file_in_the_way
 
 WANDB_ID_FILE = "wandb_run_id"
 LOG_FILE = "log.jsonl"
 TENSORBOARD_DIR = "tensorboard"
+TENSORBOARD_VARIABLE = "TENSORBOARD_LOGGING_DIR"  # transformers' Trainer reads it too
 WANDB_DIR = "wandb"  # where wandb.init(dir=output_dir) puts its files
 WANDB_PROJECT = "sparse-ft"  # when neither train.wandb.project nor WANDB_PROJECT names one
 # train.wandb's keys and the variables they default to (W&B's own names)
@@ -40,6 +43,35 @@ def check_trackers(report_to: list[str]) -> None:
         if tracker in TRACKER_MODULES and importlib.util.find_spec(TRACKER_MODULES[tracker][0]) is None:
             fail("train.report_to", report_to, f"{tracker} is not installed here; pip install {TRACKER_MODULES[tracker][1]}, "
                  f"or remove {tracker} from train.report_to")
+
+
+def tensorboard_dir(output_dir: Path) -> tuple[str, Path]:
+    """Where TensorBoard writes, and the setting that says so: ``TENSORBOARD_LOGGING_DIR`` when
+    set, else ``train.output_dir`` (its ``tensorboard`` folder)."""
+    given = os.environ.get(TENSORBOARD_VARIABLE)
+    if given:
+        return f"{TENSORBOARD_VARIABLE}={given}", Path(given).expanduser()
+    return f"train.output_dir={output_dir}", output_dir / TENSORBOARD_DIR
+
+
+def check_tensorboard_dir(report_to: list[str], output_dir: Path) -> None:
+    """TensorBoard's directory can be made and written, checked in preflight like
+    ``train.output_dir``: otherwise the writer fails when the loop starts, after the model
+    loaded. Nothing is created here."""
+    if "tensorboard" not in report_to:
+        return
+    setting, path = tensorboard_dir(output_dir)
+    blocking = file_in_the_way(path)
+    existing = next(p for p in (path, *path.parents) if p.exists())  # a relative path ends in ".", which exists
+    if blocking is not None:
+        why = f"{blocking} is a file"
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        why = f"{existing} is not writable here"
+    else:
+        return
+    remedy = (f"name a writable directory, or unset {TENSORBOARD_VARIABLE} (then train.output_dir/{TENSORBOARD_DIR})"
+              if setting.startswith(TENSORBOARD_VARIABLE) else "choose another train.output_dir, or train.report_to=[none]")
+    raise BadInput(f"{setting}: TensorBoard's directory {path} (train.report_to has tensorboard) cannot be made: {why}; {remedy}")
 
 
 def wandb_settings(recipe: Recipe) -> dict:
@@ -84,10 +116,9 @@ def _tensorboard(output_dir: Path, resumed_at: int, recipe: Optional[Recipe]):
     from torch.utils.tensorboard import SummaryWriter
     from torch.utils.tensorboard.summary import hparams
 
-    log_dir = os.environ.get("TENSORBOARD_LOGGING_DIR") or str(output_dir / TENSORBOARD_DIR)
     # purge_step drops the events written after the checkpoint resumed from (by a killed
     # run, or, when starting afresh, by an earlier run whose checkpoints were overwritten)
-    writer = SummaryWriter(os.path.expanduser(log_dir), purge_step=resumed_at + 1)
+    writer = SummaryWriter(str(tensorboard_dir(output_dir)[1]), purge_step=resumed_at + 1)
     if recipe is not None:
         writer.add_text("recipe", "```yaml\n" + format_recipe(recipe) + "```")
         flat = {}
@@ -118,17 +149,23 @@ class MetricLog:
     def write(self, record: dict, report: bool = True) -> None:
         """Every step goes to the JSONL file (the full loss curve); ``report`` also sends it to
         TensorBoard / W&B (the recipe's log steps)."""
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        self._append(record)
         if report:
             self._report({f"train/{k}": v for k, v in record.items() if k != "step"}, record["step"])
 
     def write_validation(self, record: dict) -> None:
         """A validation record (``kind``, ``step``, ``metrics`` named ``val/...``): a line in
         the JSONL file, its metrics to every tracker at its step."""
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        self._append(record)
         self._report(record["metrics"], record["step"])
+
+    def _append(self, record: dict) -> None:
+        """One line of the JSONL file; a failed write (a full disk) is an ``OSError`` naming it."""
+        try:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as err:
+            raise OSError(err.errno, err.strerror or str(err), str(self.path)) from err
 
     def _report(self, scalars: dict, step: int) -> None:
         if self.tensorboard is not None:

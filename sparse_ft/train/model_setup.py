@@ -37,11 +37,12 @@ def base_model_path(recipe: Recipe) -> str:
     return recipe.model.name_or_path
 
 
-def extended_config(path: str, target_length: int, method: str, trust_remote_code: bool = False):
+def extended_config(path: str, target_length: int, method: str, *, trust_remote_code: bool = False,
+                    native_length: Optional[int] = None):
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    rope.extend_to(config, target_length, method)
+    rope.extend_to(config, target_length, method, native_length)
     config.use_cache = False
     return config
 
@@ -62,7 +63,8 @@ def load_base(recipe: Recipe, path: str, ds_config: Optional[dict] = None):
     model the plan reads)."""
     from transformers import AutoModelForCausalLM
 
-    config = extended_config(path, recipe.model.target_length, recipe.model.rope_method, recipe.model.trust_remote_code)
+    config = extended_config(path, recipe.model.target_length, recipe.model.rope_method,
+                             trust_remote_code=recipe.model.trust_remote_code, native_length=recipe.model.native_length)
     quantized = nf4_loading(recipe, config) if recipe.model.quantization == "nf4" else {}
     if ds_config is not None and ds_config.get("zero_optimization", {}).get("stage") == 3:
         from transformers.integrations import HfDeepSpeedConfig

@@ -14,23 +14,25 @@ import torch
 from attn_patterns import kernels
 from sparse_ft.config import Recipe
 from sparse_ft.config.deepspeed_file import check_cuda_arch_list, check_with_deepspeed, read_deepspeed_config
-from sparse_ft.config.schema import BadInput, check_sequence_parallel, fail, one_line
+from sparse_ft.config.schema import BadInput, check_sequence_parallel, fail, lora_rank_rule, one_line
 from sparse_ft.data.packing import check_source
 from sparse_ft.modeling.dtypes import torch_dtype
 from sparse_ft.modeling.families import geometry
+from sparse_ft.modeling import rope
 from sparse_ft.methods import Method
 from sparse_ft.modeling.model_io import is_repo_id, load_tokenizer
 from sparse_ft.modeling.weight_files import model_files
 from sparse_ft.train import checkpoint, validation
-from sparse_ft.train.metrics import check_trackers
+from sparse_ft.train.metrics import check_tensorboard_dir, check_trackers
 from sparse_ft.modeling.tiny import is_built_in, tiny_llama_config, tiny_tokenizer
 
 
-def preflight(recipe: Recipe, method: Method) -> None:
+def preflight(recipe: Recipe, method: Method) -> validation.Validation:
     """Raise :class:`BadInput` for the first input this run cannot train with through
     ``method``. Loads no weights and writes nothing, so every rank runs it before the trainer
     starts; the data is read by the first rank only (a launcher stops the others when one
-    fails)."""
+    fails). Returns the run's validation, its tasks prepared with the tokenizer (held-out
+    tokens read, prompts built and checked against the lengths), which the trainer runs."""
     config = check_model(recipe, method)
     ds_config = read_deepspeed_config(recipe.deepspeed) if recipe.deepspeed is not None else None
     if ds_config is not None:
@@ -44,8 +46,12 @@ def preflight(recipe: Recipe, method: Method) -> None:
             raise BadInput(str(err)) from None
     validation.check(recipe, method, ds_config and ds_config.get("zero_optimization", {}).get("stage"))
     _check_lora(recipe, _skeleton(recipe, config))
-    if int(os.environ.get("RANK", "0")) == 0:  # one read of the data per run, not one per rank
-        _check_data(recipe)
+    first = int(os.environ.get("RANK", "0")) == 0
+    validating = recipe.validation.every_steps or recipe.validation.at_end
+    tokenizer = _tokenizer(recipe) if first or validating else None  # a tokenizer loads in seconds, before any weight
+    if first:  # one read of the data per run, not one per rank
+        _check_data(recipe, tokenizer)
+    return validation.Validation(recipe, tokenizer, method)
 
 
 def check_model(recipe: Recipe, method: Method):
@@ -53,6 +59,7 @@ def check_model(recipe: Recipe, method: Method):
     and data aside: the trackers, the checkpoint to resume, the backend, the model's config and
     heads. Returns the model's config."""
     check_trackers(recipe.train.report_to)
+    check_tensorboard_dir(recipe.train.report_to, Path(recipe.train.output_dir))
     if recipe.train.resume not in ("auto", "never"):
         checkpoint.named_checkpoint(recipe.train.resume)
     att = recipe.attention
@@ -73,6 +80,14 @@ def check_model(recipe: Recipe, method: Method):
     context = getattr(config, "max_position_embeddings", None)
     if not isinstance(context, int) or context < 1:
         fail(*_model_key(recipe), f"its max_position_embeddings={context!r}: extending the context needs a positive one")
+    try:
+        rope.set_native_length(config, recipe.model.native_length)
+    except ValueError as err:
+        fail("model.native_length", recipe.model.native_length, str(err))
+    try:
+        rope.check_factor(config, rope.extension_factor(config, recipe.model.target_length))
+    except ValueError as err:
+        fail("model.target_length", recipe.model.target_length, str(err))
     return config
 
 
@@ -158,6 +173,10 @@ def _check_lora(recipe: Recipe, model: torch.nn.Module) -> None:
             names = sorted({_leaf(name) for name, m in modules.items() if isinstance(m, layers)})
             fail("lora.target_modules", lora.target_modules, f"{target!r} {found}; the model's layers LoRA can adapt: {', '.join(names)}")
     targets = [name for name in modules if any(name == t or name.endswith("." + t) for t in lora.target_modules)]
+    rule = lora_rank_rule(lora.r, {name: tuple(modules[name].weight.shape[:2]) for name in targets
+                                   if getattr(modules[name], "weight", None) is not None})
+    if rule is not None:
+        fail("lora.r", lora.r, rule)
     for suffix in lora.extra_trainable:  # PEFT modules_to_save: every module whose name ends with it
         matched = [name for name in modules if name.endswith(suffix)]
         if not matched:
@@ -170,14 +189,18 @@ def _check_lora(recipe: Recipe, model: torch.nn.Module) -> None:
                  "name the layers to train whole, e.g. embed_tokens, norm")
 
 
-def _check_data(recipe: Recipe) -> None:
-    """The data source, read through before anything loads (see ``check_source``); a broken
-    file is reported by file and line."""
+def _tokenizer(recipe: Recipe) -> Any:
+    """The model's tokenizer, which the data check and validation's prompts need."""
     model = recipe.model
     try:
-        tokenizer = tiny_tokenizer() if is_built_in(model.name_or_path) else load_tokenizer(model.name_or_path, model.trust_remote_code)
+        return tiny_tokenizer() if is_built_in(model.name_or_path) else load_tokenizer(model.name_or_path, model.trust_remote_code)
     except Exception as err:  # tokenizer files and remote code fail in many types
         fail("model.name_or_path", model.name_or_path, f"its tokenizer cannot be loaded: {one_line(err)}")
+
+
+def _check_data(recipe: Recipe, tokenizer: Any) -> None:
+    """The data source, read through before anything loads (see ``check_source``); a broken
+    file is reported by file and line."""
     try:
         check_source(recipe.data, tokenizer, recipe.seq_len)
     except (ValueError, OSError) as err:

@@ -17,6 +17,7 @@ from sparse_ft.train.activations import reduce_activation_memory
 from sparse_ft.train.model_setup import load_base, train_through
 from sparse_ft.train.preflight import check_model
 from sparse_ft.train.trainer import Trainer
+from sparse_ft.train.validation import Validation
 
 
 class Pretrainer(Trainer):
@@ -37,8 +38,9 @@ class Pretrainer(Trainer):
         if self.recipe.model.quantization != "none":
             fail("model.quantization", self.recipe.model.quantization, "pretraining trains every weight in full; use none")
         check_model(self.recipe, self.method)
+        self.validation = Validation(self.recipe, None, self.method)  # off: its recipes validate nothing
 
-    def load_dataset(self) -> torch.utils.data.Dataset:
+    def load_dataset(self) -> TokenBlocks:
         return TokenBlocks(self.blocks)
 
     def build_model(self) -> torch.nn.Module:

@@ -44,12 +44,27 @@ class Preempted(RunStopped):
         super().__init__(message, 128 + signum, announce=announce)
 
 
-class Diverged(RunStopped):
-    """A non-finite loss, gradient norm or weight: exit code 1, as for any run that stopped
-    with its earlier checkpoints intact."""
+class Failed(RunStopped):
+    """An error that stopped the run with its checkpoints intact: exit code 1."""
 
     def __init__(self, message: str, *, announce: bool) -> None:
         super().__init__(f"error: {message}", 1, announce=announce)
+
+
+class Diverged(Failed):
+    """A non-finite loss, gradient norm or weight: nothing of it saved."""
+
+
+class ValidationFailed(Failed):
+    """A validation task that failed during training (what no check could foresee: memory, a
+    library's error): the step's checkpoint is saved first, so the run resumes there once the
+    validation keys, which are no resume keys, are corrected."""
+
+
+class WrongAttention(Failed):
+    """The launch's first step did not run the attention method the recipe installed (a
+    library routed its layers around it, ``sparse_ft.modeling.attention.checked_calls``):
+    nothing of that step saved."""
 
 
 def signal_name(signum: int) -> str:

@@ -7,9 +7,11 @@ processes that continues the epoch where it stood."""
 
 from __future__ import annotations
 
+import errno
 import itertools
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Callable, Iterator, Optional
@@ -20,9 +22,11 @@ from tqdm import tqdm
 
 from sparse_ft import console
 from sparse_ft.config import Recipe, format_recipe, save_resolved, summarize_recipe
-from sparse_ft.data.packing import build_train_dataset
+from sparse_ft.config.schema import one_line
+from sparse_ft.data.packing import TokenBlocks, build_train_dataset
+from sparse_ft.modeling.attention import AttentionNotCalled, checked_calls
 from sparse_ft.modeling.model_io import load_tokenizer, materialize_tiny
-from sparse_ft.files.outputs import RunLock
+from sparse_ft.files.outputs import RunLock, write_synced
 from sparse_ft.train import checkpoint, run_directory, sequence_parallel, validation
 from sparse_ft.train.checkpoint import NonFiniteWeights
 from sparse_ft.train.adapter import adapter_meta, save_adapter
@@ -34,8 +38,9 @@ from sparse_ft.train.fingerprint import check_data, check_resume, fingerprint
 from sparse_ft.train.metrics import MetricLog, peak_memory_mib
 from sparse_ft.train.model_setup import base_model_path, build_model, training_method
 from sparse_ft.train.preflight import preflight
-from sparse_ft.train.stopping import Diverged, Preempted, RunStopped, SaveClock, StopSignals, non_finite, signal_name
-from sparse_ft.modeling.tiny import is_built_in
+from sparse_ft.train.stopping import (Diverged, Preempted, RunStopped, SaveClock, StopSignals, ValidationFailed,
+                                       WrongAttention, non_finite, signal_name)
+from sparse_ft.modeling.tiny import display_name, is_built_in
 from sparse_ft.modeling.weight_files import fingerprint as weights_fingerprint
 
 
@@ -43,7 +48,7 @@ def write_probe(engine: Engine, input_ids: torch.Tensor, device: torch.device, p
     """Logits of the trained model (eval mode, training pattern) on a fixed input, saved
     beside the adapter: reloading the adapter must reproduce them (a ZeRO-3 run that saved
     empty or stale tensors would not)."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     model = engine.module
     model.eval()
@@ -51,7 +56,7 @@ def write_probe(engine: Engine, input_ids: torch.Tensor, device: torch.device, p
         logits = model(input_ids=input_ids[None].to(device)).logits.float().cpu()
     model.train()
     if engine.rank == 0:
-        save_file({"input_ids": input_ids[None].contiguous(), "logits": logits.contiguous()}, str(path))
+        write_synced(path, save({"input_ids": input_ids[None].contiguous(), "logits": logits.contiguous()}))
 
 
 def total_steps(recipe: Recipe, order: DataOrder, start: DataPosition, done: int) -> int:
@@ -67,6 +72,9 @@ def total_steps(recipe: Recipe, order: DataOrder, start: DataPosition, done: int
             f"{t.gradient_accumulation_steps}: set train.max_steps or add data"
         )
     return steps
+
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)  # a write the run cannot make until space is freed
 
 
 class Trainer:
@@ -89,7 +97,9 @@ class Trainer:
         """Train to the end (resuming where a checkpoint allows) and save the adapter; returns
         the run's summary. Every bad input fails in preflight, in one line, before anything
         loads or is written; the output directory's lock is released however the rest ends,
-        a stop signal's way (:class:`Preempted`) included."""
+        a stop signal's way (:class:`Preempted`) included. A full disk in any write of the loop
+        or of the end (log, probe, adapter, summary) is a ``CheckpointWriteError``, one line
+        saying which checkpoint to resume from, as a checkpoint's own is."""
         with StopSignals(self.stops_on_signals) as self.signals:
             self.setup_method()
             self.preflight()
@@ -100,8 +110,13 @@ class Trainer:
                 self.setup_engine()
                 self.maybe_resume()
                 self.training = True
-                self.train()
-                return self.save()
+                try:
+                    self.train()
+                    return self.save()
+                except OSError as err:  # a full disk in any write of the loop or the end's (the log, the adapter)
+                    if isinstance(err, checkpoint.CheckpointWriteError) or err.errno not in DISK_FULL:
+                        raise
+                    raise checkpoint.write_failed(self.out, Path(err.filename or self.out), err) from err
             finally:
                 self.lock.release()
 
@@ -111,8 +126,9 @@ class Trainer:
         self.method = training_method(self.recipe)
 
     def preflight(self) -> None:
-        """Every input the run reads, checked before anything loads or is written."""
-        preflight(self.recipe, self.method)
+        """Every input the run reads, checked before anything loads or is written; the
+        validation tasks prepared."""
+        self.validation = preflight(self.recipe, self.method)
 
     def setup_distributed(self) -> None:
         """Join the process group; rank 0 takes the output directory while the others wait for
@@ -163,9 +179,12 @@ class Trainer:
         run's length in optimizer steps."""
         t = self.recipe.train
         self.tokenizer = load_tokenizer(self.base, self.recipe.model.trust_remote_code)
-        self.validation = validation.Validation(self.recipe, self.tokenizer, self.method)
         if self.rank == 0:
             self.dataset = self.load_dataset()
+            if self.dataset.skipped:  # padding-free samples of empty documents only (sparse_ft/data/packing.py)
+                print(f"data: skipped {self.dataset.skipped} of {self.dataset.skipped + len(self.dataset)} samples: "
+                      "no target in them (only empty documents; data.min_tokens >= 1 keeps those out)",
+                      file=sys.stderr, flush=True)
         self.barrier()
         if self.rank != 0:
             self.dataset = self.load_dataset()
@@ -188,7 +207,7 @@ class Trainer:
         check_data(meta["data"], self.data_identity, self.recipe.train.resume_allow_changes, self.resume_from)
         return meta["step"], saved_position(meta["data"], meta["fingerprint"], meta["world_size"], self.resume_from)
 
-    def load_dataset(self) -> torch.utils.data.Dataset:
+    def load_dataset(self) -> TokenBlocks:
         """The recipe's documents, tokenised and packed into ``seq_len`` samples through a cache
         (rank 0 writes it, the others then read it)."""
         r = self.recipe
@@ -248,7 +267,7 @@ class Trainer:
         clock = SaveClock(t.save_minutes)
         self.signals.deferred = True
         quiet = self.rank != 0 or not self.progress
-        with tqdm(total=self.steps, initial=self.start, desc=f"train {self.recipe.name}", disable=quiet, unit="step") as bar:
+        with tqdm(total=self.steps, initial=self.start, desc=console.bar_label(f"train {self.recipe.name}"), disable=quiet, unit="step") as bar:
             for step in range(self.start, self.steps):
                 record = self._step(step)
                 problem = non_finite(record["loss"], record["grad_norm"], norm_expected=self.engine.non_finite_norm_expected())
@@ -275,8 +294,17 @@ class Trainer:
     def _validate(self, step: int, bar: tqdm) -> None:
         """The validation tasks after ``step``, on every rank (under ZeRO-3 each forward
         gathers parameters from all of them); rank 0 logs and says them. Before the step's
-        checkpoint, which keeps them for a resume's log."""
-        for record in self.validation.run(self.engine.module, self.engine.autocast(), step):
+        checkpoint, which keeps them for a resume's log. A task that fails saves that
+        checkpoint and stops the run in one line (:class:`ValidationFailed`): the steps trained
+        since the last one are not lost to it."""
+        try:
+            records = self.validation.run(self.engine.module, self.engine.autocast(), step)
+        except Exception as err:  # noqa: BLE001 - whatever a task raised, the trained steps are saved first
+            self._checkpoint(step)
+            self._stop(ValidationFailed(f"validation after step {step} failed ({type(err).__name__}: {one_line(err)}); "
+                                        f"saved {checkpoint.directory(self.out, step).name}: correct the recipe's "
+                                        "validation keys and resume with the same command", announce=self.rank == 0))
+        for record in records:
             self.validations.append(record)
             if self.log is not None:
                 self.log.write_validation(record)
@@ -313,12 +341,25 @@ class Trainer:
             return sequence_parallel.shard_batches(self._batch, self.device)
         return ({k: v.to(self.device) for k, v in self._batch(m).items()} for m in itertools.count())
 
+    def _micro_step(self, *, checked: bool) -> float:
+        """The next micro-batch's forward and backward; its loss. The launch's first (``checked``)
+        counts that every attention layer called the method the recipe installed, and stops
+        the run in one line otherwise: a library that picks its own attention would have
+        trained another kernel with no error."""
+        if not checked:
+            return self.engine.micro_step(next(self.batches))
+        try:
+            with checked_calls(self.engine.module, when=f"step {self.start + 1}"):
+                return self.engine.micro_step(next(self.batches))
+        except AttentionNotCalled as err:
+            self._stop(WrongAttention(f"{err}; nothing of this step was saved", announce=self.rank == 0))
+
     def _step(self, step: int) -> dict:
         """One optimizer step over ``gradient_accumulation_steps`` micro-batches; its log record."""
         began = time.perf_counter()
         lr = self.engine.lr()
         accum = self.recipe.train.gradient_accumulation_steps
-        losses = [self.engine.micro_step(next(self.batches)) for _ in range(accum)]
+        losses = [self._micro_step(checked=step == self.start and micro == 0) for micro in range(accum)]
         grad_norm = self.engine.optimizer_step()
         loss = self.engine.mean(sum(losses) / len(losses))
         seconds = time.perf_counter() - began
@@ -359,7 +400,8 @@ class Trainer:
         if self.log is not None:
             self.log.close()
         history = self.history
-        summary = {"steps": self.steps, "final_loss": history[-1]["loss"] if history else None, **saved,
+        summary = {"model": display_name(self.recipe.model.name_or_path), "steps": self.steps,
+                   "final_loss": history[-1]["loss"] if history else None, **saved,
                    "world_size": self.world, "history": history, "validation": self.validations}
         if self.rank == 0:
             (self.out / run_directory.SUMMARY).write_text(json.dumps(summary, indent=1))

@@ -27,11 +27,15 @@ import torch
 
 from sparse_ft import methods
 from sparse_ft.config import Recipe
-from sparse_ft.config.schema import fail
+from sparse_ft.config.schema import BadInput, fail
+from sparse_ft.data.sources import Keys
 from sparse_ft.evaluation import tasks
-from sparse_ft.evaluation.tasks.generation import TooShort, generation_tasks
+from sparse_ft.evaluation.names import BadParameter, Names
+from sparse_ft.evaluation.tasks.generation import generation_tasks
 from sparse_ft.methods import Method
 from sparse_ft.modeling.attention import use_attention
+
+KEYS = Keys("validation.data", "data.text_column")  # what errors about the held-out data name
 
 KIND = "validation"  # the ``kind`` of its lines in log.jsonl (a training step's line has none)
 ZERO3_TASKS = ("ppl",)  # a fixed number of forwards on every rank, whatever the model answers
@@ -58,9 +62,13 @@ def _task_params(recipe: Recipe, name: str, held_out: Any) -> dict:
     if name == "ppl":
         from sparse_ft.evaluation.tasks.perplexity import DEFAULT_STRIDE
 
-        return {"lengths": at, "data": held_out, "stride": min(DEFAULT_STRIDE, *at), **given}
+        shortest = min(at) if isinstance(at, list) and all(isinstance(n, int) for n in at) and at else DEFAULT_STRIDE
+        return {"lengths": at, "data": held_out, "stride": min(DEFAULT_STRIDE, shortest), **given}
     if name == "passkey":
         return {"lengths": at, "depths": PASSKEY_DEPTHS, **given}
+    if name == "harness":  # lm-eval's tasks at the longest validation length
+        longest = max(at) if isinstance(at, list) and at and all(isinstance(n, int) for n in at) else at
+        return {"max_length": longest, **given}
     if name == "ruler":
         return {"lengths": at, "tasks": generation_tasks(), **given}
     if name in generation_tasks():
@@ -69,9 +77,26 @@ def _task_params(recipe: Recipe, name: str, held_out: Any) -> dict:
     return {"lengths": at, **given}
 
 
+def recipe_names(recipe: Recipe, name: str) -> Names:
+    """What task ``name``'s checks call its parameters: its ``validation.params`` keys, and
+    for its lengths the key they came from (its own, ``validation.lengths``, or their default
+    ``model.target_length``)."""
+    v = recipe.validation
+    own = f"validation.params.{name}"
+    at = (f"{own}.lengths" if "lengths" in v.params.get(name, {}) else
+          "validation.lengths" if v.lengths else "model.target_length")
+    return Names(lambda param: at if param == "lengths" else f"{own}.{param}", recipe=True)
+
+
+def refused(err: BadParameter) -> BadInput:
+    """A task check's refusal (its message starts with the key) as the recipe's one line."""
+    return BadInput(f"recipe key {err}")
+
+
 def build_tasks(recipe: Recipe, held_out: Any = "") -> dict[str, tasks.Task]:
-    """The recipe's validation tasks by name, each built (its parameters checked) as
-    :func:`_task_params` says; a bad name or parameter is a one-line :class:`BadInput`."""
+    """The recipe's validation tasks by name, each built as :func:`_task_params` says and its
+    parameters checked by the task's own check, the one ``sparse-ft eval`` runs on its flags;
+    a bad name or parameter is a one-line :class:`BadInput` naming the recipe key."""
     built = {}
     for name in recipe.validation.tasks:
         if name not in tasks.names():
@@ -81,6 +106,10 @@ def build_tasks(recipe: Recipe, held_out: Any = "") -> dict[str, tasks.Task]:
             built[name] = tasks.get(runs_as, **_task_params(recipe, name, held_out))
         except (TypeError, ValueError) as err:
             fail(f"validation.params.{name}", recipe.validation.params.get(name, {}), str(err))
+        try:
+            built[name].check(recipe_names(recipe, name))
+        except BadParameter as err:
+            raise refused(err) from None
     return built
 
 
@@ -102,9 +131,9 @@ def check(recipe: Recipe, method: Method, zero_stage: Optional[int]) -> None:
         from sparse_ft.evaluation.tokens import check_data
 
         try:
-            check_data(v.data)
+            check_data(v.data, keys=KEYS)
         except (ValueError, OSError) as err:
-            fail("validation.data", v.data, str(err).replace("--data ", "", 1))
+            fail(KEYS.source, v.data, str(err).replace(f"{KEYS.source} ", "", 1))
     validating = validation_method(recipe, method)
     for name, task in built.items():
         for length in task.lengths:
@@ -173,8 +202,8 @@ class Validation:
         for name, task in self.tasks.items():
             try:
                 task.prepare(tokenizer)
-            except TooShort as err:
-                fail("validation.lengths", lengths(recipe), str(err).replace("--lengths ", "", 1))
+            except BadParameter as err:
+                raise refused(err) from None
             except ValueError as err:
                 fail(f"validation.params.{name}", v.params.get(name, {}), str(err))
 
@@ -188,9 +217,9 @@ class Validation:
 
         try:
             held_out = load_tokens(v.data, self.tokenizer, len(self.tokenizer), split=v.split,
-                                   text_column=self.recipe.data.text_column)
+                                   text_column=self.recipe.data.text_column, keys=KEYS)
         except (ValueError, OSError) as err:
-            fail("validation.data", v.data, str(err).replace("--data ", "", 1))
+            fail(KEYS.source, v.data, str(err).replace(f"{KEYS.source} ", "", 1))
         longest = max(_task_params(self.recipe, "ppl", None)["lengths"])
         if len(held_out) < longest:
             fail("validation.data", v.data, f"holds {len(held_out)} tokens, fewer than the longest validation length "

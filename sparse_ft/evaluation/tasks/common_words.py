@@ -58,6 +58,11 @@ class CommonWords(GenerationTask):
     def min_size(self) -> int:
         return self.num_cw
 
+    @property
+    def max_size(self) -> int:
+        """Every word it draws from, each listed once at least."""
+        return len(_pools()[1])
+
     def _listing(self, rng: random.Random, count: int, common: int, other: int) -> tuple[str, list[str]]:
         single, every = _pools()
         chosen = rng.sample(single if count <= len(single) else every, count)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import random
 import string
+from typing import Optional
 
 from sparse_ft.evaluation.tasks.base import register
 from sparse_ft.evaluation.tasks.generation import GenerationTask, Sample, split_template
@@ -44,12 +45,29 @@ class FrequentWords(GenerationTask):
         self.alpha = float(alpha)
         self.coded_wordlen = check_int("coded_wordlen", coded_wordlen, self.name, least=2)
         self.vocab_size = None if vocab_size is None else check_int("vocab_size", vocab_size, self.name, least=4)
+        if self.vocab_size is not None and self.vocab_size > self.words:
+            raise ValueError(f"{self.name}: vocab_size={vocab_size} must be <= {self.words:,}, half of the "
+                             f"{self.coded_wordlen}-letter words")
         self.tokens_to_generate = check_int("tokens_to_generate", tokens_to_generate, self.name)
 
     @property
     def min_size(self) -> int:
         """The fewest words in which the answer's last word (rank 4) still appears."""
         return math.ceil(4 ** self.alpha * zeta(self.alpha))
+
+    @property
+    def words(self) -> int:
+        """The distinct coded words a vocabulary may draw: half of those of ``coded_wordlen``
+        letters (drawn at random until distinct, the last of all of them would take forever)."""
+        return 26 ** self.coded_wordlen // 2
+
+    def longest(self) -> Optional[tuple[int, str]]:
+        """Without ``vocab_size`` the vocabulary is a word per 50 tokens of the length."""
+        if self.vocab_size is not None:
+            return None
+        return (50 * (self.words + 1) + self.tokens_to_generate - 1,
+                f"a coded word per 50 tokens, and {self.coded_wordlen}-letter words give {self.words:,} (half of 26^"
+                f"{self.coded_wordlen}); raise coded_wordlen or set vocab_size")
 
     def compose(self, rng: random.Random, size: int, *, length: int) -> Sample:
         count = self.vocab_size or max(4, (length - self.tokens_to_generate) // 50)

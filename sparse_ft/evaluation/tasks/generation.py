@@ -23,6 +23,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
+from sparse_ft.evaluation.names import FLAGS, BadParameter, Names
 from sparse_ft.evaluation.tasks.base import TASKS, Task
 
 
@@ -106,13 +107,13 @@ def largest_fitting(fits: Callable[[int], bool], low: int, high: int, hint: int)
     return good
 
 
-class TooShort(ValueError):
+class TooShort(BadParameter):
     """A length below a task's shortest prompt (with the smallest haystack and its budget)."""
 
-    def __init__(self, task: "GenerationTask", length: int, prompt: int) -> None:
+    def __init__(self, task: "GenerationTask", length: int, prompt: int, names: Names) -> None:
         self.task, self.length, self.need = task.name, length, prompt + task.tokens_to_generate
-        super().__init__(f"--lengths {length} is shorter than the shortest {task.name} prompt: {self.need} tokens of this "
-                         f"tokenizer ({prompt} with the smallest haystack, {task.min_size} {task.unit}, + "
+        super().__init__(f"{names.entry('lengths', length)} is shorter than the shortest {task.name} prompt: {self.need} "
+                         f"tokens of this tokenizer ({prompt} with the smallest haystack, {task.min_size} {task.unit}, + "
                          f"{task.tokens_to_generate} to generate)")
 
 
@@ -132,6 +133,16 @@ class GenerationTask(Task):
         """The smallest haystack a sample can have."""
         return 1
 
+    @property
+    def max_size(self) -> Optional[int]:
+        """The largest haystack its words allow (None: it repeats, and memory bounds it)."""
+        return None
+
+    def longest(self) -> Optional[tuple[int, str]]:
+        """The longest length its settings can build a prompt of, known without a tokenizer,
+        and why (None: no bound but memory and :attr:`max_size`)."""
+        return None
+
     @classmethod
     def configure(cls, parser: argparse.ArgumentParser) -> None:
         TASKS.factory("ruler").add_flags(parser, suite=False)
@@ -148,27 +159,32 @@ class GenerationTask(Task):
         size, so a sample keeps its needles while its haystack is fitted)."""
         raise NotImplementedError
 
-    def fit(self, tokenizer: Any, length: int, *, seed: str, hint: Optional[int] = None) -> Prompt:
+    def fit(self, tokenizer: Any, length: int, *, seed: str, hint: Optional[int] = None, names: Names = FLAGS) -> Prompt:
         """The sample of ``seed`` with the largest haystack whose prompt (a BOS the tokenizer adds
-        counted) plus ``tokens_to_generate`` is at most ``length`` tokens."""
+        counted) plus ``tokens_to_generate`` is at most ``length`` tokens. Only the prompts'
+        sizes are kept while searching (the one that fits is built again), so a search takes
+        the memory of one prompt. ``names``: what a refusal calls the length."""
         from sparse_ft.data.passkey_prompt import leading_specials, token_ids
 
-        specials, built = leading_specials(tokenizer), {}
+        specials, tokens = leading_specials(tokenizer), {}
 
         def build(size: int) -> Prompt:
-            if size not in built:
-                sample = self.compose(random.Random(seed), size, length=length)
-                built[size] = Prompt(sample, specials + token_ids(tokenizer, sample.context),
-                                     token_ids(tokenizer, sample.question), size)
-            return built[size]
+            sample = self.compose(random.Random(seed), size, length=length)
+            prompt = Prompt(sample, specials + token_ids(tokenizer, sample.context), token_ids(tokenizer, sample.question), size)
+            tokens[size] = prompt.tokens
+            return prompt
 
         def fits(size: int) -> bool:
-            return build(size).tokens + self.tokens_to_generate <= length
+            return (tokens[size] if size in tokens else build(size).tokens) + self.tokens_to_generate <= length
 
         # a unit adds about a token at least: far fewer than 4 x length units fit
-        size = largest_fitting(fits, self.min_size, 4 * length + self.min_size, hint or self.min_size)
+        high = 4 * length + self.min_size
+        size = largest_fitting(fits, self.min_size, min(high, self.max_size or high), hint or self.min_size)
         if size is None:
-            raise TooShort(self, length, build(self.min_size).tokens)
+            raise TooShort(self, length, tokens[self.min_size], names)
+        if size == self.max_size:
+            raise BadParameter(f"{names.entry('lengths', length)} is longer than {self.name} can fill: its {size} {self.unit} "
+                               f"make prompts of at most {tokens[size] + self.tokens_to_generate} tokens of this tokenizer")
         return build(size)
 
     def score(self, prediction: str, answers: Sequence[str]) -> float:

@@ -3,6 +3,11 @@ lm-eval 0.4.13 is the version tested) through a method, with an adapter's RoPE r
 LongBench, RULER with its downloads, and every other task of its index or of a local folder
 of task YAML files (``--include-path``).
 
+A task folder is code: lm-eval imports the Python files its YAML names (``!function
+utils.process_docs``) when it reads the folder. So ``--include-path`` is refused unless
+``--trust-remote-code`` is given too, the flag that already allows code from outside this
+toolkit and lm-eval to run (a model repository's).
+
 The harness is the harness's: task configurations, prompts, few-shot, requests, metrics and
 their standard errors come from lm-eval, run through lm-eval's own ``HFLM``
 (``sparse_ft.evaluation.harness_lm`` says where and why it steps in). Ours: the model as
@@ -18,10 +23,12 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
-from sparse_ft.evaluation.tasks.base import Task, register
+from sparse_ft.config.strict import json_value
+from sparse_ft.evaluation.names import FLAGS, BadParameter, Names
+from sparse_ft.evaluation.tasks.base import Task, check_number, register
 
 SUPPORTED = ">=0.4.13,<0.5"  # pyproject.toml's harness extra (tests/test_harness.py checks they agree)
-INSTALL = "pip install 'sparse-ft[harness]'"
+INSTALL = "pip install '.[harness]' in a checkout of sparse-ft (no release exists yet)"
 
 
 def lm_eval_version() -> str:
@@ -62,7 +69,7 @@ def _json_object(text: Optional[str]) -> Optional[dict]:
     if text is None:
         return None
     try:
-        value = json.loads(text)
+        value = json_value(text, f"--metadata {text!r}")
     except json.JSONDecodeError as err:
         raise ValueError(f"--metadata {text!r} is not JSON ({err.msg}); give an object, e.g. '{{\"max_seq_lengths\": [4096]}}'") from None
     if not isinstance(value, dict):
@@ -74,10 +81,10 @@ def _json_object(text: Optional[str]) -> Optional[dict]:
 class Harness(Task):
     name = "harness"
     summary = "lm-evaluation-harness tasks (LongBench, RULER, ...) through the method"
-    description = ("tasks of lm-evaluation-harness (the optional extra: pip install 'sparse-ft[harness]'; lm-eval 0.4.13 "
+    description = ("tasks of lm-evaluation-harness (the optional extra: pip install '.[harness]' in a checkout; lm-eval 0.4.13 "
                    "tested) through the method, an adapter's RoPE restored (docs/evaluation.md)")
 
-    def __init__(self, tasks: list[str], *, include_path: Optional[str] = None, limit: Optional[float] = None,
+    def __init__(self, tasks: Optional[list[str]] = None, *, include_path: Optional[str] = None, limit: Optional[float] = None,
                  num_fewshot: Optional[int] = None, batch_size: int = 1, max_length: Optional[int] = None,
                  metadata: Optional[dict] = None) -> None:
         self.tasks, self.include_path, self.limit, self.num_fewshot = tasks, include_path, limit, num_fewshot
@@ -93,7 +100,8 @@ class Harness(Task):
     def configure(cls, p: argparse.ArgumentParser) -> None:
         p.add_argument("--tasks", required=True, help="comma list of lm-eval task, group or tag names (e.g. longbench, ruler)")
         p.add_argument("--include-path", default=None,
-                       help="folder of lm-eval task YAML files, searched besides lm-eval's own (default: none)")
+                       help="folder of lm-eval task YAML files, searched besides lm-eval's own; lm-eval imports the "
+                       "Python they name (!function), so it needs --trust-remote-code (default: none)")
         p.add_argument("--limit", type=float, default=None,
                        help="at most N documents per task, or that fraction of each when below 1 (default: all)")
         p.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples (default: each task's own)")
@@ -112,16 +120,42 @@ class Harness(Task):
             raise ValueError(f"--tasks {args.tasks!r} names no task")
         if args.include_path is not None and not Path(args.include_path).expanduser().is_dir():
             raise FileNotFoundError(f"--include-path {args.include_path}: no such directory")
-        limit = args.limit
-        if limit is not None and not (0 < limit < 1 or (limit >= 1 and limit == int(limit))):
-            raise ValueError(f"--limit {limit:g} must be a whole number >= 1 or a fraction in (0, 1)")
-        for flag, low in (("num_fewshot", 0), ("batch_size", 1), ("max_length", 2)):
-            value = getattr(args, flag)
-            if value is not None and value < low:
-                raise ValueError(f"--{flag.replace('_', '-')} {value} must be >= {low}")
-        return cls(names, include_path=args.include_path, limit=int(limit) if limit and limit >= 1 else limit,
-                   num_fewshot=args.num_fewshot, batch_size=args.batch_size, max_length=args.max_length,
-                   metadata=_json_object(args.metadata))
+        if args.include_path is not None and not args.trust_remote_code:
+            raise ValueError(f"--include-path {args.include_path}: lm-eval imports and runs the Python its task YAML files "
+                             "name (!function); give --trust-remote-code to allow that")
+        task = cls(names, include_path=args.include_path, limit=args.limit, num_fewshot=args.num_fewshot,
+                   batch_size=args.batch_size, max_length=args.max_length, metadata=_json_object(args.metadata))
+        task.check(FLAGS)
+        return task
+
+    def check(self, names: Names) -> None:
+        """The parameters' bounds, checked alike for eval's flags and a recipe's
+        ``validation.params.harness``: lm-eval task names, ``limit`` a whole number >= 1 or a
+        fraction in (0, 1), ``num_fewshot`` >= 0, ``batch_size`` >= 1, and ``max_length``
+        >= 2 and a length a model can be asked for. No lengths otherwise: lm-eval's tasks
+        bring their own, cut at the model's context."""
+        from attn_patterns.checks import length_rule
+
+        self.names = names
+        if not isinstance(self.tasks, list) or not self.tasks or not all(isinstance(t, str) and t for t in self.tasks):
+            raise BadParameter(f"{names.say('tasks', self.tasks)} must list lm-eval task, group or tag names")
+        limit = self.limit
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float))
+                                  or not (0 < limit < 1 or (limit >= 1 and limit == int(limit)))):
+            raise BadParameter(f"{names.say('limit', limit)} must be a whole number >= 1 or a fraction in (0, 1)")
+        if self.num_fewshot is not None:
+            check_number(names, "num_fewshot", self.num_fewshot, least=0)
+        check_number(names, "batch_size", self.batch_size)
+        if self.max_length is not None:
+            check_number(names, "max_length", self.max_length, least=2)
+            why = length_rule(self.max_length)
+            if why:
+                raise BadParameter(f"{names.say('max_length', self.max_length)} is invalid: {why}")
+
+    @property
+    def samples(self) -> Optional[float]:
+        """``limit`` as lm-eval takes it: a count as an integer, a fraction as it is."""
+        return int(self.limit) if self.limit is not None and self.limit >= 1 else self.limit
 
     def inputs(self) -> dict[str, Any]:
         return {"--include-path": self.include_path}
@@ -169,7 +203,7 @@ class Harness(Task):
 
         length = self.max_length or int(pretrained(model).config.max_position_embeddings)
         results = harness_lm.evaluate(model, tokenizer, method, tasks=self.loaded, task_manager=self.manager,
-                                      max_length=length, limit=self.limit, batch_size=self.batch_size,
+                                      max_length=length, limit=self.samples, batch_size=self.batch_size,
                                       num_fewshot=self.num_fewshot)
         self.details = {"lm_eval": self.version, "max_length": length, "n_shot": results.get("n-shot", {}),
                         "task_versions": results.get("versions", {})}

@@ -7,7 +7,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from sparse_ft.evaluation.tasks.base import Task, lengths_flag, register
+from sparse_ft.evaluation.names import FLAGS, BadParameter, Names
+from sparse_ft.evaluation.tasks.base import Task, check_memory, check_number, lengths_flag, register
 
 
 @register
@@ -30,16 +31,37 @@ class Passkey(Task):
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "Passkey":
-        lengths = lengths_flag(args.lengths)
         try:
             depths = [float(x) for x in args.depths.split(",") if x]
         except ValueError:
-            depths = []
-        if not depths or not all(0 <= d <= 1 for d in depths):
-            raise ValueError(f"--depths {args.depths!r} must be a comma-separated list of numbers in [0, 1]")
-        if args.trials < 1:
-            raise ValueError(f"--trials {args.trials} must be >= 1")
-        return cls(lengths, depths, trials=args.trials, seed=args.seed)
+            raise ValueError(f"--depths {args.depths!r} must be a comma-separated list of numbers in [0, 1]") from None
+        task = cls(lengths_flag(args.lengths), depths, trials=args.trials, seed=args.seed)
+        task.check(FLAGS)
+        return task
+
+    def check(self, names: Names) -> None:
+        """Depths in [0, 1], at least one trial, and prompts that fit in memory (one is built
+        at a time); the shortest prompt needs the tokenizer (:meth:`prepare`)."""
+        super().check(names)
+        if not isinstance(self.depths, list) or not self.depths:
+            raise BadParameter(f"{names.say('depths', self.depths)} must list needle depths in [0, 1]")
+        for depth in self.depths:
+            if isinstance(depth, bool) or not isinstance(depth, (int, float)) or not 0 <= depth <= 1:
+                raise BadParameter(f"{names.entry('depths', depth)} must be a number in [0, 1]")
+        check_number(names, "trials", self.trials)
+        check_number(names, "seed", self.seed, least=float("-inf"))
+        check_memory(self.lengths, names, kept=0)
+
+    def prepare(self, tokenizer: Any) -> None:
+        """Every length holds the prompt without filler (task, needle, question)."""
+        from sparse_ft.data.passkey_prompt import shortest_prompt
+        from sparse_ft.evaluation.passkey import keys
+
+        shortest = shortest_prompt(tokenizer, keys(self.trials, self.seed))
+        for length in self.lengths:
+            if length < shortest:
+                raise BadParameter(f"{self.names.entry('lengths', length)} is shorter than the passkey prompt without "
+                                   f"filler: {shortest} tokens of this tokenizer")
 
     def evaluate(self, model: Any, tokenizer: Any, method: Any) -> list[dict]:
         from sparse_ft.evaluation import passkey

@@ -8,9 +8,11 @@ import argparse
 from pathlib import Path
 from typing import Any, Optional
 
-from sparse_ft.evaluation.tasks.base import Task, lengths_flag, register
+from sparse_ft.evaluation.names import BadParameter, Names, flags
+from sparse_ft.evaluation.tasks.base import Task, check_number, lengths_flag, register
 
 DEFAULT_STRIDE = 256
+FLAGS = flags({"max_windows": "--num-windows"})
 
 
 @register
@@ -50,19 +52,31 @@ class Perplexity(Task):
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "Perplexity":
-        from sparse_ft.evaluation import windows
-
         lengths = lengths_flag(args.lengths)
         if args.stride is None:
-            args.stride = min(DEFAULT_STRIDE, *lengths)
-        windows.check(lengths, args.stride)
-        for flag in ("max_tokens", "num_windows", "batch_size"):
-            value = getattr(args, flag)
-            if value is not None and value < 1:
-                raise ValueError(f"--{flag.replace('_', '-')} {value} must be >= 1")
-        return cls(lengths, args.data, stride=args.stride, scoring=args.scoring, batch_size=args.batch_size,
+            args.stride = min([DEFAULT_STRIDE, *lengths])
+        task = cls(lengths, args.data, stride=args.stride, scoring=args.scoring, batch_size=args.batch_size,
                    max_windows=args.num_windows, max_tokens=args.max_tokens, data_dtype=args.data_dtype,
                    split=args.split, text_column=args.text_column)
+        task.check(FLAGS)
+        return task
+
+    def check(self, names: Names) -> None:
+        from sparse_ft.evaluation import windows
+
+        super().check(names)
+        windows.check(self.lengths, self.stride, names)
+        if self.scoring not in windows.SCORINGS:
+            raise BadParameter(f"{names.say('scoring', self.scoring)} is unknown; allowed: {', '.join(windows.SCORINGS)}")
+        check_number(names, "batch_size", self.batch_size)
+        for param in ("max_windows", "max_tokens"):
+            if getattr(self, param) is not None:
+                check_number(names, param, getattr(self, param))
+        if self.data_dtype not in (None, "uint16", "uint32"):
+            raise BadParameter(f"{names.say('data_dtype', self.data_dtype)} is unknown; allowed: uint16, uint32")
+        for param in ("split", "text_column"):
+            if not isinstance(getattr(self, param), str) or not getattr(self, param):
+                raise BadParameter(f"{names.say(param, getattr(self, param))} must be a name")
 
     def inputs(self) -> dict[str, Any]:
         return {"--data": self.data} if isinstance(self.data, (str, Path)) else {}

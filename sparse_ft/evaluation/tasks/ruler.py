@@ -14,11 +14,14 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
+from sparse_ft import console
 from sparse_ft.evaluation.effective_length import RULER_THRESHOLD
-from sparse_ft.evaluation.tasks.base import TASKS, Task, lengths_flag, register
+from sparse_ft.evaluation.names import BadParameter, Names, flags
+from sparse_ft.evaluation.tasks.base import TASKS, Task, check_memory, check_number, lengths_flag, register
 from sparse_ft.evaluation.tasks.generation import GenerationTask, Prompt, TooShort, generation_tasks
 
 LENGTHS = "4096,8192,16384,32768,65536,131072"  # RULER's table
+FLAGS = flags({"fraction": "--relative-threshold"})
 
 
 def essay_words(path: Optional[str]) -> list[str]:
@@ -33,16 +36,19 @@ def essay_words(path: Optional[str]) -> list[str]:
     return text.split()
 
 
-def _check_haystack(path: str) -> None:
+def _check_haystack(path: Any, names: Names) -> None:
+    said = names.say("haystack", path)
+    if not isinstance(path, str):
+        raise BadParameter(f"{said} must be the path of a UTF-8 text file")
     file = Path(path).expanduser()
     if not file.is_file():
-        raise FileNotFoundError(f"--haystack {path} does not exist" if not file.exists() else f"--haystack {path} is not a file")
+        raise BadParameter(f"{said} does not exist" if not file.exists() else f"{said} is not a file")
     try:
         words = file.read_text(encoding="utf-8").split()
     except UnicodeDecodeError as err:
-        raise ValueError(f"--haystack {path} is not UTF-8 text (byte {err.start})") from None
+        raise BadParameter(f"{said} is not UTF-8 text (byte {err.start})") from None
     if not words:
-        raise ValueError(f"--haystack {path} holds no words")
+        raise BadParameter(f"{said} holds no words")
 
 
 # --- the suite -----------------------------------------------------------------------------------
@@ -125,20 +131,45 @@ class Ruler(Task):
             tasks = [TASKS.get(name, **params[name]) for name in names]
         except (TypeError, ValueError) as err:
             raise ValueError(f"--task-arg: {err}") from None
-        if args.samples < 1:
-            raise ValueError(f"--samples {args.samples} must be >= 1")
-        if not 0 < args.threshold <= 100:
-            raise ValueError(f"--threshold {args.threshold} must be a score in (0, 100]")
-        if not args.relative_threshold > 0:
-            raise ValueError(f"--relative-threshold {args.relative_threshold} must be > 0 (a fraction of the base's score)")
-        if args.haystack is not None:
-            if not any(t.uses_essay for t in tasks):
-                raise ValueError(f"--haystack {args.haystack} is read by the essay-haystack tasks only, and none is run "
-                                 f"({', '.join(names)})")
-            _check_haystack(args.haystack)
-        base = read_base(args.reference, names) if args.reference is not None else None
-        return cls(lengths, tasks, samples=args.samples, seed=args.seed, haystack=args.haystack,
-                   threshold=args.threshold, fraction=args.relative_threshold, base=base)
+        suite = cls(lengths, tasks, samples=args.samples, seed=args.seed, haystack=args.haystack,
+                    threshold=args.threshold, fraction=args.relative_threshold)
+        suite.check(FLAGS)
+        if args.reference is not None:
+            suite.base, suite.measure = read_base(args.reference, names), False
+        return suite
+
+    def check(self, names: Names) -> None:
+        """RULER tasks, each once; the suite's numbers; the haystack file, read by a task; and
+        lengths each task can build, whose prompts (all kept until the weights load) fit in
+        memory. The shortest prompt needs the tokenizer (:meth:`prepare`)."""
+        super().check(names)
+        allowed = generation_tasks()
+        if not self.tasks:
+            raise BadParameter(f"{names.say('tasks', [])} must name RULER tasks: {', '.join(allowed)}")
+        for task in self.tasks:
+            if not isinstance(task, GenerationTask):
+                raise BadParameter(f"{names.entry('tasks', task.name)} is not a RULER task; allowed: {', '.join(allowed)}")
+        run = [t.name for t in self.tasks]
+        if len(set(run)) < len(run):
+            raise BadParameter(f"{names.say('tasks', run)} must name each task once")
+        check_number(names, "samples", self.samples)
+        check_number(names, "seed", self.seed, least=float("-inf"))
+        for param, low, high, what in (("threshold", 0, 100, "a score in (0, 100]"),
+                                       ("fraction", 0, float("inf"), "> 0 (a fraction of the base's score)")):
+            value = getattr(self, param)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not low < value <= high:
+                raise BadParameter(f"{names.say(param, value)} must be {what}")
+        if self.haystack is not None:
+            if not any(t.uses_essay for t in self.tasks):
+                raise BadParameter(f"{names.say('haystack', self.haystack)} is read by the essay-haystack tasks only, and "
+                                   f"none is run ({', '.join(run)})")
+            _check_haystack(self.haystack, names)
+        check_memory(self.lengths, names, kept=self.samples * len(self.tasks))
+        for task in self.tasks:
+            bound = task.longest()
+            if bound is not None and max(self.lengths) > bound[0]:
+                raise BadParameter(f"{names.entry('lengths', max(self.lengths))} is longer than {task.name} can build: at "
+                                   f"most {bound[0]:,} tokens ({bound[1]})")
 
     def inputs(self) -> dict[str, Any]:
         return {"--haystack": self.haystack, "--reference": self.base and self.base.get("file")}
@@ -166,7 +197,8 @@ class Ruler(Task):
         prompts: list[Prompt] = []
         for index in range(self.samples):
             hint = prompts[-1].size if prompts else None
-            prompts.append(task.fit(self.tokenizer, length, seed=f"{self.seed}:{task.name}:{index}", hint=hint))
+            prompts.append(task.fit(self.tokenizer, length, seed=f"{self.seed}:{task.name}:{index}", hint=hint,
+                                    names=self.names))
             advance()
         return prompts
 
@@ -177,7 +209,7 @@ class Ruler(Task):
         if self.measure:
             self.base = self.measure_base(model, tokenizer, method)
         rows = []
-        bar = tqdm(total=len(self.tasks) * len(self.lengths) * self.samples, desc="ruler", unit="sample")
+        bar = tqdm(total=len(self.tasks) * len(self.lengths) * self.samples, desc=console.bar_label("ruler"), unit="sample")
         for length in self.lengths:
             method.apply(model, length)
             for task in self.tasks:
