@@ -596,6 +596,13 @@ BENCH = ["--lengths", "64", "--repeats", "1", "--warmup", "0"]
 CLI_CASES = {
     "eval results and plot into one file": (
         [*PPL, "--output", "OUT/r.png", "--plot", "OUT/r.png"], None, r"--plot .*/out/r.png is also --output: name two different files"),
+    # RoPE scaling at most rope.MAX_FACTOR over the pretraining context (tiny-base: 256 tokens), before the weights load
+    "eval pi beyond 64x its context": (
+        ["eval", "passkey", "--model", "BASE", "--method", "pi", "--lengths", "16385", "--trials", "1"], None,
+        r"--method pi at length 16,385: RoPE factor 64\.0039 .* is above 64: .* at most 16,384 tokens on this model$"),
+    "eval yarn with a fixed factor beyond 64": (
+        [*PPL, "--method", "yarn", "--method-arg", "factor=100"], None,
+        r"--method yarn at --method-arg factor=100: RoPE factor 100 .* is above 64"),
     # sparse-ft generate: the prompts, the sampling values and each prompt's length, before the weights load
     "generate without prompts": (
         ["generate", "--model", "BASE"], None, r"no prompts \(no PROMPT argument and no --file\); give PROMPT arguments or --file"),

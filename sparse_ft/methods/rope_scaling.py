@@ -30,6 +30,25 @@ class RopeScaling(Method):
             raise ValueError(f"--method-arg factor={factor!r} must be a number >= 1")
         self.factor = factor
         self._loaded: Optional[tuple[dict, int]] = None
+        self._longest = 0  # the longest length asked (check_length), for check_model
+
+    def check_length(self, seq_len: int) -> None:
+        """Kept: whether the model can be scaled that far is known once its config is
+        (:meth:`check_model`, before the weights load)."""
+        self._longest = max(self._longest, seq_len)
+
+    def check_model(self, config: Any) -> None:
+        """The longest length asked, scaled as :meth:`apply` will scale it, within
+        ``rope.MAX_FACTOR`` of the model's pretraining context: refused in one line before the
+        weights load rather than at the first length."""
+        try:
+            if self.factor is not None:
+                rope.check_factor(config, float(self.factor))
+            elif self._longest:
+                rope.check_factor(config, rope.extension_factor(config, self._longest))
+        except ValueError as err:
+            asked = f"--method-arg factor={self.factor:g}" if self.factor is not None else f"length {self._longest:,}"
+            raise ValueError(f"--method {self.name} at {asked}: {err}") from None
 
     def max_length(self, config: Any) -> Optional[int]:
         """The scaling follows the length asked up to ``rope.MAX_FACTOR`` in total; a fixed
