@@ -425,9 +425,12 @@ def _kv_heads(k, v, *, start: int, end: int, groups: int, native: bool):
 
 
 # --- the published patterns -----------------------------------------------------------------
+# Tagged "scca_table2": the patterns SCCA's Table 2 fine-tunes, which the experiment trains and
+# `sparse-ft bench train` times by default (PATTERNS.names(tag="scca_table2")). A selection, not
+# every sparse pattern: sda is LongMixed's component, not a row of the paper's table.
 
 
-@register
+@register(tags=("scca_table2",))
 def s2(chunks: int = 4, backend: Optional[str] = None) -> Mixed:
     """LongLoRA S²: half the heads in chunks, half in chunks shifted by g."""
     parts = [(Local(chunks), 0.5), (ShiftedChunks(chunks), 0.5)]
@@ -435,7 +438,7 @@ def s2(chunks: int = 4, backend: Optional[str] = None) -> Mixed:
                  chunks=chunks)
 
 
-@register
+@register(tags=("scca_table2",))
 def scca_fixed(chunks: int = 4, backend: Optional[str] = None) -> Mixed:
     """SCCA fixed: heads [0, H/2) see keys rolled by g, heads [H/2, H) their own chunk."""
     parts = [(RolledKeys(chunks), 0.5), (Local(chunks), 0.5)]
@@ -443,7 +446,7 @@ def scca_fixed(chunks: int = 4, backend: Optional[str] = None) -> Mixed:
                  head_rule="half the heads on shifted keys, half in chunks", chunks=chunks)
 
 
-@register
+@register(tags=("scca_table2",))
 def scca_flow(chunks: int = 4, backend: Optional[str] = None) -> Mixed:
     """SCCA flow: ``chunks`` head groups, group k looks k chunks back, so across the heads every
     query chunk reaches each of the ``chunks`` chunks up to itself."""
@@ -453,7 +456,7 @@ def scca_flow(chunks: int = 4, backend: Optional[str] = None) -> Mixed:
     return Mixed(parts, backend, name="scca_flow", head_multiple=chunks, head_rule=rule, chunks=chunks)
 
 
-@register
+@register(tags=("scca_table2",))
 def longmixed(chunks: int = 4, backend: Optional[str] = None) -> Mixed:
     """SCCA LongMixed: heads [H/4 | H/4 | H/2] = scca_fixed | sda θ=2 | sda θ=4
     (the paper's 8 / 8 / 16 of 32 heads)."""

@@ -11,14 +11,15 @@ A factory's keyword parameters are the parameters a user may pass: :meth:`Regist
 checks names against its signature, so a typo in a recipe fails with the allowed list.
 A name is taken once: registering it again is refused (as PEFT and lm-evaluation-harness
 refuse theirs), so a second definition can never silently replace the one every recipe,
-``--method`` and table reads. This module imports nothing of its package, so any layer can
-own a registry.
+``--method`` and table reads. A name may carry tags (lm-evaluation-harness's task tags), the
+selections a default reads, ``names(tag="scca_table2")``, rather than a list of names beside
+the registry. This module imports nothing of its package, so any layer can own a registry.
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Generic, Optional, TypeVar
+from typing import Any, Callable, Generic, Iterable, Optional, TypeVar
 
 T = TypeVar("T")
 
@@ -36,12 +37,14 @@ class Registry(Generic[T]):
     def __init__(self, kind: str, base: type) -> None:
         self.kind, self.base = kind, base
         self._factories: dict[str, Callable[..., T]] = {}
+        self._tags: dict[str, frozenset[str]] = {}
 
-    def register(self, factory: "Callable[..., T] | str | None" = None, *, name: Optional[str] = None) -> Any:
+    def register(self, factory: "Callable[..., T] | str | None" = None, *, name: Optional[str] = None,
+                 tags: Iterable[str] = ()) -> Any:
         """Add ``factory`` under ``name`` (default: a class's ``name`` attribute, a function's
-        ``__name__``); usable bare, as ``register("name")`` or as ``register(name=...)``
-        decorators, or called with the factory. A name already taken raises ValueError
-        naming both definitions; :meth:`remove` frees it first."""
+        ``__name__``) with ``tags``; usable bare, as ``register("name")`` or as
+        ``register(name=..., tags=...)`` decorators, or called with the factory. A name already
+        taken raises ValueError naming both definitions; :meth:`remove` frees it first."""
         if isinstance(factory, str):
             factory, name = None, factory
 
@@ -55,6 +58,7 @@ class Registry(Generic[T]):
                     f"replace it with {origin(f)}: register that under another name (or remove {key!r} first)"
                 )
             self._factories[key] = f
+            self._tags[key] = frozenset(tags)
             return f
 
         return add if factory is None else add(factory)
@@ -62,16 +66,28 @@ class Registry(Generic[T]):
     def remove(self, name: str) -> None:
         """Take ``name`` out again (tests that register a toy)."""
         self._factories.pop(name, None)
+        self._tags.pop(name, None)
 
     def __contains__(self, name: str) -> bool:
         return name in self._factories
 
-    def names(self) -> list[str]:
-        """In registration order: the order tables and help texts list them in."""
-        return list(self._factories)
+    def names(self, tag: Optional[str] = None) -> list[str]:
+        """In registration order: the order tables and help texts list them in; with ``tag``, the
+        names registered with it (a tag no name carries raises ValueError with those in use)."""
+        if tag is None:
+            return list(self._factories)
+        used = sorted(set().union(*self._tags.values()))
+        if tag not in used:
+            raise ValueError(f"{self.kind} tag={tag!r} is unknown; allowed: {', '.join(used) or 'none'}")
+        return [n for n in self._factories if tag in self._tags[n]]
 
     def parameters(self, name: str) -> list[str]:
         return list(inspect.signature(self._factories[name]).parameters)
+
+    def required(self, name: str) -> list[str]:
+        """The parameters ``name`` has no default for: none, and it builds from its name alone."""
+        return [p.name for p in inspect.signature(self.factory(name)).parameters.values()
+                if p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
 
     def factory(self, name: str) -> Callable[..., T]:
         """The registered factory itself: a class whose class attributes say more than building
@@ -87,9 +103,7 @@ class Registry(Generic[T]):
         unknown = sorted(set(params) - set(allowed))
         if unknown:
             raise ValueError(f"{name}: parameter(s) {', '.join(unknown)} unknown; allowed: {', '.join(allowed) or 'none'}")
-        required = [p.name for p in inspect.signature(self._factories[name]).parameters.values()
-                    if p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-        missing = [p for p in required if p not in params]
+        missing = [p for p in self.required(name) if p not in params]
         if missing:
             raise ValueError(f"{name}: parameter(s) {', '.join(missing)} required (it has no default); allowed: {', '.join(allowed)}")
         return self._factories[name](**params)

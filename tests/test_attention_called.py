@@ -94,6 +94,24 @@ def test_eval_stops_at_its_first_forward_through_another_attention(tmp_path, mon
     assert not out.exists()
 
 
+def test_generate_stops_at_its_first_forward_through_another_attention(tmp_path, monkeypatch, capsys):
+    """``sparse-ft generate`` runs eval's check: nothing is printed or written from another kernel."""
+    from sparse_ft.cli import main
+    from sparse_ft.methods import base
+
+    out = tmp_path / "o.jsonl"
+    argv = ["generate", "--model", "tiny", "--method", "s2", "--max-new-tokens", "2", "--output", str(out), "a b c d e f g h"]
+    assert main(argv) == 0  # the control: the method installed runs
+    capsys.readouterr()
+    out.unlink()
+    monkeypatch.setattr(base, "use_attention", lambda model, method: switched(use_attention(model, method)))
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err and captured.out == "" and not out.exists()
+    assert captured.err.strip().splitlines()[-1].startswith(
+        "sparse-ft generate: error: --method s2: attention layer(s) 0, 1 of 2 did not call the installed method 's2'"), captured.err
+
+
 def test_eval_checks_its_first_forward_with_a_method_only():
     """Forwards on the model's own attention wait; the first with a method is checked, then
     the hooks are gone."""

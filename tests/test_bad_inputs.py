@@ -677,6 +677,18 @@ CLI_CASES = {
     "plan of lengths past float32 positions": (
         ["plan", "recipe=tiny", "--lengths", "512,100000000000"], None,
         r"--lengths 100000000000 is invalid: at most 16,777,216 tokens"),
+    # RoPE factor at most rope.MAX_FACTOR, as train refuses it (tiny: 256 tokens; model.native_length honoured)
+    "plan beyond 64x the tiny model's context": (
+        ["plan", "recipe=tiny", "model.target_length=16400"], None,
+        r"model.target_length=16400 is invalid: RoPE factor 64\.0625 .* is above 64: .* at most 16,384 tokens on this model$"),
+    "plan of lengths beyond 64x the context": (
+        ["plan", "recipe=tiny", "--lengths", "512,20000"], None, r"--lengths 20000 is invalid: RoPE factor 78\.125 .* is above 64"),
+    "plan beyond 64x the native length": (
+        ["plan", "recipe=tiny", "model.native_length=128", "model.target_length=8200"], None,
+        r"model.target_length=8200 is invalid: RoPE factor 64\.0625 \(the model's pretraining context of 128 tokens"),
+    "plan of Llama-3.1 beyond 64x with its own llama3 x8": (
+        ["plan", "recipe=tiny", "model.name_or_path=meta-llama/Llama-3.1-8B", "model.target_length=1100000"], None,
+        r"model.target_length=1100000 is invalid: RoPE factor 67\.1387 \(the model's pretraining context of 8,192 tokens"),
     "eval of a window past float32 positions": (
         [*EVAL[:-1], "1000000000000", "--model", "BASE"], None, r"--lengths 1000000000000: at most 16,777,216 tokens \(RoPE positions are float32"),
     "eval of pattern chunks of 400 digits": (

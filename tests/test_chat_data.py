@@ -1,17 +1,20 @@
 """Supervised fine-tuning data (``data.format: chat | instruction``): the loss trains on exactly
-the answer tokens, rows are packed whole and padding-free so a packed sample gives each
-conversation what it gets alone (loss and gradients), rows too long are left out and counted,
-the labels travel through the cache and into the checkpoint's data identity, and train.py runs
-on chat rows end to end. Bad rows and templates are rows of test_bad_inputs.py's CASES."""
+the answer tokens (those TRL's assistant_only_loss takes from a marked template), rows are
+packed whole and padding-free so a packed sample gives each conversation what it gets alone
+(loss and gradients), rows too long are left out and counted, the labels travel through the
+cache and into the checkpoint's data identity, train.py runs on chat rows end to end, and a chat
+run stopped after a checkpoint resumes to the same losses. Bad rows and templates are rows of
+test_bad_inputs.py's CASES."""
 
 import json
+import shutil
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers_train import train_py, write_held_out
+from helpers_train import curve, one_thread, overrides, train_py, write_held_out  # noqa: F401
 from sparse_ft import use_attention
 from sparse_ft.data import packing
 from sparse_ft.data.packing import build_train_dataset
@@ -60,6 +63,31 @@ def test_the_loss_trains_on_exactly_the_assistant_tokens(tmp_path):
     for i in range(len(ds)):  # every sample starts a conversation; positions restart at each
         sample = ds[i]
         assert sample["position_ids"][0] == 0 and len(sample["input_ids"]) == 256
+
+
+def test_the_answers_are_the_tokens_trls_assistant_only_loss_takes():
+    """TRL's assistant_only_loss labels the tokens transformers' return_assistant_tokens_mask
+    marks between a template's {% generation %} marks; that needs a fast tokenizer, so the tiny
+    model's bytes are given one (the same ids). On multi-turn rows, with the marked template,
+    its mask is the one the renderer finds turn by turn."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    from sparse_ft.data.conversations import Renderer, tokenize
+
+    slow, chars = tiny_tokenizer(), bytes_to_unicode()
+    core = Tokenizer(models.BPE(vocab={chars[b]: b + 3 for b in range(256)}, merges=[]))  # ByT5: byte b is id b + 3
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    fast = PreTrainedTokenizerFast(tokenizer_object=core)
+    marked = TEMPLATE.replace("{{ m.content }}<|end|>\n", "{% if m.role == 'assistant' %}{% generation %}{{ m.content }}"
+                              "<|end|>\n{% endgeneration %}{% else %}{{ m.content }}<|end|>\n{% endif %}")
+    rows = [conversation(i) for i in range(6)]
+    render = Renderer(SimpleNamespace(format="chat", chat_template=marked), slow)
+    for row, (ids, mask) in zip(rows, tokenize([render(f"row {i}", row) for i, row in enumerate(rows)], slow)):
+        theirs = fast.apply_chat_template(row["messages"], chat_template=marked, return_dict=True,
+                                          return_assistant_tokens_mask=True)
+        assert theirs["input_ids"] == ids and theirs["assistant_masks"] == [int(m) for m in mask]
 
 
 def test_instruction_rows_train_on_the_output_and_eos(tmp_path):
@@ -159,3 +187,27 @@ def test_train_py_fine_tunes_on_chat_rows(tmp_path):
     log = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
     assert sum("loss" in record for record in log) >= 2
     assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_a_chat_run_stopped_after_a_checkpoint_resumes_to_the_same_losses(tmp_path, capsys):
+    """recipes/tiny_chat.yaml on its shipped rows: its step-2 checkpoint alone (what a run killed
+    after step 2 leaves) resumes to the uninterrupted run's losses and adapter, bit for bit."""
+    from safetensors.torch import load_file
+
+    from sparse_ft.config import load_recipe
+    from sparse_ft.train.trainer import train
+
+    def run(out):
+        return train(load_recipe("tiny_chat", overrides(out, tmp_path / "cache", "deepspeed=null", "train.max_steps=4",
+                                                        "train.save_steps=2", "train.save_total_limit=10")))
+
+    full = run(tmp_path / "full")
+    (tmp_path / "resumed").mkdir()
+    shutil.copytree(tmp_path / "full" / "checkpoint-2", tmp_path / "resumed" / "checkpoint-2")
+    capsys.readouterr()
+    resumed = run(tmp_path / "resumed")
+    assert f"resumed from {tmp_path / 'resumed' / 'checkpoint-2'} at step 2" in capsys.readouterr().out
+    assert len(curve(full)) == 4 and curve(resumed) == curve(full)
+    adapters = [load_file(str(tmp_path / name / "adapter" / "adapter_model.safetensors")) for name in ("full", "resumed")]
+    assert adapters[0].keys() == adapters[1].keys() and all(torch.equal(v, adapters[1][k]) for k, v in adapters[0].items())

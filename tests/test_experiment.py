@@ -1,4 +1,5 @@
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -92,12 +93,51 @@ def test_an_interrupted_training_run_resumes(experiment, tmp_path):
 
 
 def test_rerun_reuses_finished_rows(experiment):
+    """A rerun that changes nothing writes nothing: rows, results.json, tables and plots are
+    committed, and a clone that reruns the experiment stays clean."""
     cfg, results = experiment
-    rows = Path(cfg.output) / "rows"
-    before = {p.name: p.stat().st_mtime_ns for p in rows.iterdir()}
+    written = sorted(p for p in Path(cfg.output).rglob("*") if p.is_file())
+    before = {p: p.stat().st_mtime_ns for p in written}
     again = Runner(cfg).run()
-    assert {p.name: p.stat().st_mtime_ns for p in rows.iterdir()} == before
+    assert {p: p.stat().st_mtime_ns for p in written} == before
     assert [r["ppl"] for r in again["rows"]] == [r["ppl"] for r in results["rows"]]
+
+
+def test_row_keys_are_the_same_in_every_clone(tmp_path, monkeypatch):
+    """A row's key names the repository's paths relative to it: two clones at different places
+    key a row alike (a clone elsewhere reuses the committed rows, and results.json records no
+    clone's path), while a changed input (the base's weights) still changes the key."""
+    import shutil
+
+    from sparse_ft import methods
+    from sparse_ft.config import loader
+    from sparse_ft.config.paths import REPO_ROOT
+    from sparse_ft.experiment import run
+
+    def keys(root: Path) -> tuple[str, str, dict]:
+        for part in ("recipes", "assets/tiny-base"):
+            if not (root / part).exists():
+                shutil.copytree(REPO_ROOT / part, root / part)
+        monkeypatch.chdir(root)
+        for module in (run, loader):
+            monkeypatch.setattr(module, "REPO_ROOT", root)
+        monkeypatch.setattr(loader, "RECIPE_DIRS", [root / "recipes"])
+        cfg = ExperimentConfig(base=str(root / "assets/tiny-base"), recipe=str(root / "recipes/experiment/tiny_4x.yaml"),
+                               **{k: v for k, v in QUICK.items() if k in ("output", "runs", "steps")})
+        runner = Runner(cfg)
+        runner.jsonl = Path(cfg.data) / "ctx1024-0123456789abcdef" / "train.jsonl"  # where data() puts it
+        recipe = runner._recipe("s2", 0, f"{cfg.runs}/s2-seed0")
+        assert recipe.data.source.startswith(str(root)) and recipe.model.name_or_path.startswith(str(root))
+        return runner._fine_tuned_key(recipe), runner._free_key(methods.get("dca")), run.portable(asdict(cfg))
+
+    one = keys(tmp_path / "one")
+    assert keys(tmp_path / "elsewhere" / "two") == one
+    assert one[2]["base"] == "assets/tiny-base" and one[2]["recipe"] == "recipes/experiment/tiny_4x.yaml"
+    weights = tmp_path / "one" / "assets" / "tiny-base" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1] + b"\x01")  # a re-pretrained base: both rows are stale
+    assert all(a != b for a, b in zip(keys(tmp_path / "one")[:2], one[:2]))
+    monkeypatch.setattr(run, "REPO_ROOT", tmp_path / "one")
+    assert run.portable(["/elsewhere/base", "assets/x", ("linear", 4)]) == ["/elsewhere/base", "assets/x", ["linear", 4]]
 
 
 def test_changed_settings_retrain_over_the_finished_run(experiment, tmp_path):

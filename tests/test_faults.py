@@ -218,6 +218,36 @@ def test_a_full_disk_in_any_write_of_the_run_is_one_line(tmp_path, common, monke
         assert (out / "adapter" / "adapter_model.safetensors").is_file() and (out / "adapter_probe.safetensors").is_file()
 
 
+def test_a_full_disk_in_tensorboards_writer_thread_is_one_line(tmp_path, common, monkeypatch, capsys):
+    """Issue 31: TensorBoard writes from a thread of its own; a full disk there printed that
+    thread's traceback ("Exception in thread ...") before the run's line. The disk fills when
+    the first training scalar is written: the run ends in the one line, naming TensorBoard's
+    directory, and an error of any other thread still reaches the hook it had."""
+    import threading
+
+    from tensorboard.compat.tensorflow_stub.io import gfile
+
+    append = gfile.LocalFileSystem.append
+
+    def full(self, filename, file_content, binary_mode=False):
+        if b"train/" in file_content:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        append(self, filename, file_content, binary_mode)
+
+    monkeypatch.setattr(gfile.LocalFileSystem, "append", full)
+    printed = []  # what reaches the hook that prints a thread's traceback (pytest's own, in the suite)
+    monkeypatch.setattr(threading, "excepthook", printed.append)
+    out = tmp_path / "run"
+    assert train_py(*run_in(out, common, "train.max_steps=3", "train.report_to=[tensorboard]")) == 1
+    line = one_error_line(capsys.readouterr().err)
+    assert line.startswith(f"train.py: error: could not write {out / 'tensorboard'}: No space left on device; "), line
+    assert printed == [] and not (out / LOCK).exists()
+    other = threading.Thread(target=lambda: 1 / 0)
+    other.start()
+    other.join()
+    assert [type(args.exc_value) for args in printed] == [ZeroDivisionError]
+
+
 def test_a_lock_held_elsewhere_is_refused_and_a_dead_one_here_taken_over(tmp_path, capsys):
     lock = tmp_path / LOCK
     lock.write_text(json.dumps({"pid": 1234, "host": "another-node", "since": 0}))

@@ -29,10 +29,12 @@ def code_blocks() -> dict[str, str]:
 
 BLOCKS = code_blocks()
 MODEL = "The model"
+CHAT = "TRL's SFTTrainer on chat rows"
 
 
 def test_the_page_has_the_model_and_every_trainer():
-    assert list(BLOCKS) == [MODEL, "transformers' Trainer", "TRL's SFTTrainer with packing", "Plain PEFT, your own loop"]
+    assert list(BLOCKS) == [MODEL, "transformers' Trainer", "TRL's SFTTrainer with packing", CHAT,
+                            "Plain PEFT, your own loop"]
 
 
 @pytest.fixture
@@ -70,6 +72,36 @@ def test_a_trainer_block_trains_the_extended_model_through_the_pattern(name, wor
         assert any(part in n for n in namespace["trained"]), f"{part} did not train"
     state = namespace["trainer"].state
     assert state.global_step == 3 and torch.isfinite(torch.tensor(state.log_history[-1]["train_loss"]))
+
+
+@pytest.mark.slow
+def test_trl_on_chat_rows_trains_on_the_targets_data_format_chat_takes(workdir):
+    """TRL's labels (completion_only_loss, packed) are, row for row and token for token, the
+    targets data.format: chat takes from the same rows and template; each packed row's positions
+    restart at every conversation; the extended model trains through the pattern."""
+    import json
+    from types import SimpleNamespace
+
+    from sparse_ft.data.conversations import Renderer, tokenize
+
+    namespace = run_block(CHAT)
+    trainer, tokenizer = namespace["trainer"], namespace["tokenizer"]
+    assert trainer.state.global_step == 2 and current_method(namespace["model"]).name == "scca_flow"
+    for part in TRAINED:
+        assert any(part in n for n in namespace["trained"]), f"{part} did not train"
+    rows = [json.loads(line) for line in (workdir / "data" / "tiny" / "chat.jsonl").read_text().splitlines()]
+    render = Renderer(SimpleNamespace(format="chat", chat_template=tokenizer.chat_template), tokenizer)
+    ours = [(ids, [t if target else -100 for t, target in zip(ids, mask)])
+            for ids, mask in tokenize([render(f"row {i}", row) for i, row in enumerate(rows)], tokenizer)]
+    theirs = []
+    for packed in trainer.train_dataset:
+        ends = torch.tensor(packed["seq_lengths"]).cumsum(0).tolist()
+        theirs += [(packed["input_ids"][a:b], packed["labels"][a:b]) for a, b in zip([0, *ends], ends)]
+    assert sorted(theirs) == sorted(ours)
+    assert sum(t != -100 for _, labels in ours for t in labels) == 2240  # as docs/integrations.md says
+    packed = trainer.train_dataset[0]
+    batch = trainer.data_collator([packed])
+    assert (batch["position_ids"] == 0).sum() == len(packed["seq_lengths"]) >= 2
 
 
 @pytest.mark.slow

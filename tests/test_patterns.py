@@ -35,7 +35,9 @@ def qkv(n, kv_heads, dtype=torch.float64, batch=2, dim=16, grad=False, seed=0):
 
 
 def test_every_registered_pattern_is_covered():
-    assert {name for name, _ in PATTERNS} >= {"causal", "s2", "scca_fixed", "scca_flow", "sda", "longmixed", "mixed"}
+    """A newly registered pattern fails here until PATTERNS holds it (test_triton_attention.py
+    and scripts/sdpa_views.py run this list too)."""
+    assert set(attn_patterns.names()) <= {name for name, _ in PATTERNS}
 
 
 @pytest.mark.parametrize("name,params", PATTERNS, ids=IDS)

@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+import attn_patterns
 from sparse_ft.plan import memory
 from sparse_ft.plan.geometry import KNOWN, model_shape
 from sparse_ft.plan.memory import Setup
@@ -51,8 +52,9 @@ def test_trainable_count_is_peft_s():
 
 def test_sparse_patterns_grow_linearly_and_the_math_kernel_does_not():
     """With fused kernels every candidate for the peak is linear in N (the peak, their
-    maximum, is so piecewise); the math kernel's scores are not."""
-    for pattern in ("scca_flow", "s2", "longmixed", "sda", "causal", "full"):
+    maximum, is so piecewise); the math kernel's scores are not. Every registered pattern that
+    builds from its name alone, and the model's own kernel."""
+    for pattern in ("full", *(n for n in attn_patterns.names() if not attn_patterns.PATTERNS.required(n))):
         setup = Setup(shape=LLAMA3, pattern=pattern, offload_activations=True, mlp_tile_tokens=8192)
         for phase in memory.phases(setup, 8192):
             a, b, c = (sum(memory.phases(setup, n)[phase].values()) for n in (65536, 131072, 196608))
@@ -114,6 +116,18 @@ def test_plan_spans_the_gpus_the_recipe_is_written_for_and_says_so(capsys):
     assert "over 1 GPU(s) (from the largest --sp: the recipe sets no train.gpus)" in plan("recipe=tiny")[0]
 
 
+def test_a_chat_recipe_plans_as_the_text_recipe_it_inherits(capsys):
+    """data.format: chat changes which tokens are targets, not a sample's data.seq_len tokens:
+    tiny_chat plans as tiny does, its name aside, and says nothing on stderr."""
+    from sparse_ft.cli import main
+
+    printed = []
+    for recipe in ("tiny", "tiny_chat"):
+        assert main(["plan", f"recipe={recipe}", "--patterns", "scca_flow", "--gpu-memory", "1GiB"]) == 0
+        printed.append(capsys.readouterr())
+    assert printed[1].out.replace("tiny_chat", "tiny") == printed[0].out and printed[1].err == ""
+
+
 @pytest.mark.parametrize("argv, words", [
     (["--gpu-memory", "80 bananas"], "--gpu-memory '80 bananas' must be a positive size"),
     (["--gpu-memory", "80"], "--gpu-memory '80' must be a positive size with a unit, such as 80GiB, 141GB or 24GiB "
@@ -155,11 +169,10 @@ def test_every_registered_pattern_declares_its_memory():
     """The planner asks the pattern (no list of names): every registered one answers, with
     the backward terms of a fused kernel, and a new one is planned as the pieces bound of the
     base class until it declares less."""
-    import attn_patterns
     from attn_patterns import PATTERNS, Pattern
 
     for name in attn_patterns.names():
-        if name == "mixed":
+        if PATTERNS.required(name):  # mixed: nothing to plan until its parts are named
             continue
         setup = Setup(shape=LLAMA3, pattern=name)
         terms = memory.attention_workspace(setup, 4096)

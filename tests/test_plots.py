@@ -48,3 +48,21 @@ def test_eval_plot_titles_name_the_models(tmp_path, capsys, monkeypatch):
     assert main(["eval", "plot", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--output", str(out)]) == 0
     assert written_by(out) == "sparse-ft eval plot" and out.stat().st_size > 1000
     assert titles == [f"perplexity: {tmp_path.name}, tiny (random weights)"]
+
+
+def test_heatmaps_are_readable_without_red_green(tmp_path, monkeypatch):
+    """Passkey and RULER heatmaps use a colour-blind-safe, perceptually uniform map (not
+    RdYlGn), label both axes and the colour bar, and write each value in a colour that
+    contrasts with its cell: white on a failed (dark) cell, black on a solved (bright) one."""
+    figures, save = [], plots._save
+    monkeypatch.setattr(plots, "_save", lambda fig, *a: figures.append(fig) or save(fig, *a))
+    cells = [{"length": n, "depth": d, "accuracy": float(n == 256)} for n in (256, 512) for d in (0.0, 1.0)]
+    plots.plot_passkey(cells, tmp_path / "passkey.png", "passkey: tiny-base")
+    scores = [{"task": t, "length": n, "score": 100.0 * (n == 256)} for t in ("niah_single_1", "fwe") for n in (256, 512)]
+    plots.plot_scores(scores, ["niah_single_1", "fwe"], tmp_path / "ruler.png", "RULER: tiny-base")
+    for fig in figures:
+        ax, bar = fig.axes
+        assert ax.images[0].get_cmap().name == plots.HEATMAP_CMAP == "viridis"
+        assert ax.get_xlabel() and ax.get_ylabel() and bar.get_ylabel() and ax.get_title()
+        ink = {text.get_text(): text.get_color() for text in ax.texts}
+        assert {ink[k] for k in ink if float(k) == 0} == {"white"} and {ink[k] for k in ink if float(k) > 0} == {"black"}

@@ -1,5 +1,6 @@
 """Registries take a name once: a second registration under a taken name is refused with
-the kind, the name and both definitions, and the first one stays."""
+the kind, the name and both definitions, and the first one stays. A tag lists the names
+registered with it, the selections defaults read instead of lists beside the registry."""
 
 import pytest
 
@@ -43,3 +44,18 @@ def test_the_shipped_registries_refuse_their_own_names():
     with pytest.raises(ValueError, match=r"method name 'dca' is already taken by sparse_ft\.methods\.dca\.DualChunk; .*Impostor"):
         methods.register(Impostor)
     assert type(methods.get("dca")).__name__ == "DualChunk" and repr(attn_patterns.get("s2")).startswith("s2(")
+
+
+def test_a_tag_lists_its_names_in_registration_order_and_an_unknown_tag_is_refused():
+    table = Registry("widget", object)
+    table.register(lambda: "a", name="a", tags=("paper",))
+    table.register(lambda count: "b", name="b")
+    table.register(lambda: "c", name="c", tags=("paper", "fast"))
+    assert table.names(tag="paper") == ["a", "c"] and table.names() == ["a", "b", "c"]
+    assert table.required("b") == ["count"] and table.required("a") == []
+    with pytest.raises(ValueError, match=r"^widget tag='papers' is unknown; allowed: fast, paper$"):
+        table.names(tag="papers")
+    table.remove("c")
+    assert table.names(tag="paper") == ["a"]
+    # the selection the experiment trains and `bench train` times: SCCA's Table 2
+    assert attn_patterns.PATTERNS.names(tag="scca_table2") == ["s2", "scca_fixed", "scca_flow", "longmixed"]

@@ -1,10 +1,11 @@
 """DeepSpeed Ulysses on two CPU ranks (gloo), launched as the docs say: each sequence split
 over both ranks, each rank attending with half the heads, gives the single-process run's
 per-step losses, gradients (every trainable tensor's, before each update), gradient norms and
-adapter for s2, scca_flow and longmixed, and for every registered pattern on padding-free
-packed documents (several per sample, cut between the ranks); a resume from a checkpoint whose
-position falls inside the adapter's round of batches continues that curve, and so does one in a
-single process without sequence parallelism.
+adapter for s2, scca_flow and longmixed, for every registered pattern on padding-free
+packed documents (several per sample, cut between the ranks), and on chat rows (labels on the
+answers alone, a rank's half may hold none); a resume from a checkpoint whose position falls
+inside the adapter's round of batches continues that curve, and so does one in a single process
+without sequence parallelism.
 One launch trains all of them (each launch costs ~30 s here): run as a script, this module is
 what every rank runs."""
 
@@ -45,7 +46,29 @@ def short_documents(root: Path) -> Path:
     return root / "short.jsonl"
 
 
+# chat rows (data.format: chat, recipes/tiny_chat.yaml's template): positions restart at every
+# conversation and labels are -100 outside the answers; of 512-token samples, some hold several
+# conversations, one cut between the ranks, and some a rank's half without a target
+CHAT_RUN = "scca_flow-chat"
+
+
+def chat_rows(root: Path) -> Path:
+    return root / "chat.jsonl"
+
+
+def conversation(i: int) -> dict:
+    turns = [{"role": "user", "content": f"question {i}: " + "word " * (2 + i * 37 % 61)},
+             {"role": "assistant", "content": f"answer {i}" + " yes" * (1 + i % 5)}]
+    return {"messages": turns * (1 + i % 2)}
+
+
+def recipe_of(run: str) -> str:
+    return "tiny_chat" if run == CHAT_RUN else "tiny"
+
+
 def run_args(out: Path, cache: Path, run: str, *extra: str) -> list[str]:
+    if run == CHAT_RUN:
+        return recipe_args(out, cache, "scca_flow", f"data.source={chat_rows(out.parents[1])}", *extra)
     if not run.endswith(PACKED):
         return recipe_args(out, cache, run, *extra)
     pattern = run.removesuffix(PACKED)
@@ -122,16 +145,17 @@ def test_ulysses_two_ranks_train_exactly_like_one_process_and_resume(tmp_path, m
     cache = tmp_path / "cache"
     short_documents(tmp_path).write_text(
         "".join(json.dumps({"text": f"document {i}: " + "word " * (8 + i % 37)}) + "\n" for i in range(64)))
+    chat_rows(tmp_path).write_text("".join(json.dumps(conversation(i)) + "\n" for i in range(48)))
     argv = [*DEEPSPEED, "--num_gpus", "2", "--master_port", str(free_port()), str(Path(__file__)), str(tmp_path), str(cache)]
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert f"resumed from {tmp_path / 'sp' / RESUMED / 'checkpoint-1'} at step 1" in done.stdout
 
     Gradients.single_process(monkeypatch)
-    for run_name in (*PATTERNS, *PACKED_RUNS):
+    for run_name in (*PATTERNS, *PACKED_RUNS, CHAT_RUN):
         single = tmp_path / "single" / run_name
         Gradients.start(tmp_path / "single" / f"{run_name}.pt")
-        train(load_recipe("tiny", run_args(single, cache, run_name, "deepspeed=null")))
+        train(load_recipe(recipe_of(run_name), run_args(single, cache, run_name, "deepspeed=null")))
         sp = tmp_path / "sp" / run_name
         assert json.loads((sp / "train_summary.json").read_text())["world_size"] == 2
         runs = [sp / "uninterrupted.jsonl", sp / "log.jsonl"] if run_name == RESUMED else [sp / "log.jsonl"]
@@ -164,8 +188,8 @@ def test_ulysses_two_ranks_train_exactly_like_one_process_and_resume(tmp_path, m
 
 
 def _ranks_main(root: Path, cache: Path) -> None:
-    """Every rank: the three patterns, then every pattern on packed documents, with
-    sequence_parallel_size=2, then the resumed one again from its step-1 checkpoint."""
+    """Every rank: the three patterns, then every pattern on packed documents, then the chat
+    rows, with sequence_parallel_size=2, then the resumed one again from its step-1 checkpoint."""
     import torch.distributed as dist
     from deepspeed.runtime.sequence_parallel import parallel_state_sp
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
@@ -177,12 +201,13 @@ def _ranks_main(root: Path, cache: Path) -> None:
 
     def run(run_name: str, gradients=None) -> None:
         Gradients.start(gradients)
-        train(load_recipe("tiny", run_args(root / "sp" / run_name, cache, run_name, "train.sequence_parallel_size=2")))
+        train(load_recipe(recipe_of(run_name), run_args(root / "sp" / run_name, cache, run_name,
+                                                        "train.sequence_parallel_size=2")))
         # a run owns its process; the next one here makes its own SP groups and ZeRO-3 config
         parallel_state_sp._release_sequence_parallel_groups()
         unset_hf_deepspeed_config()
 
-    for run_name in (*PATTERNS, *PACKED_RUNS):
+    for run_name in (*PATTERNS, *PACKED_RUNS, CHAT_RUN):
         run(run_name, root / "sp" / f"{run_name}.pt")
     out = root / "sp" / RESUMED
     if dist.get_rank() == 0:  # as if killed after step 1

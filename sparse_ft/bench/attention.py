@@ -31,7 +31,6 @@ from sparse_ft.bench import dense_kernel
 from sparse_ft.bench.dense_kernel import DenseKernel
 from sparse_ft.bench.machine import DTYPES, cell, interleaved, ratio
 
-DEFAULT_PATTERNS = ("s2", "scca_fixed", "scca_flow", "sda", "longmixed")
 # FlexAttention compiles one kernel per (pattern, length, grad mode); a sweep needs more than
 # torch's default of 8 recompilations, past which it would silently run unfused.
 FLEX_RECOMPILES = 256
@@ -73,6 +72,13 @@ class Row:
     dense_error: Optional[str] = None
 
 
+def default_patterns() -> list[str]:
+    """Every registered pattern that builds from its name alone, in registration order, but
+    ``causal``: the baseline's own visible set (``mixed`` needs its parts)."""
+    registry = attn_patterns.PATTERNS
+    return [name for name in registry.names() if name != "causal" and not registry.required(name)]
+
+
 def _step(attend, q, k, v):
     def run():
         attend(q, k, v).sum().backward()
@@ -90,7 +96,7 @@ def run(
     lengths: Iterable[int],
     heads: Iterable[int],
     head_dims: Iterable[int],
-    patterns: Iterable[str] = DEFAULT_PATTERNS,
+    patterns: Optional[Iterable[str]] = None,
     *, dtype: str = "fp32",
     device: str = "cpu",
     kv_heads: Optional[int] = None,
@@ -100,11 +106,11 @@ def run(
     sdpa_backend: Optional[str] = None,
 ) -> Iterator[Row]:
     """Rows of one (N, H, D) come together, after its last round (round-robin needs them all).
-    ``sdpa_backend`` (a key of ``dense_kernel.BACKENDS``) pins that backend instead of the one
-    SDPA picks."""
+    ``patterns`` defaults to :func:`default_patterns`. ``sdpa_backend`` (a key of
+    ``dense_kernel.BACKENDS``) pins that backend instead of the one SDPA picks."""
     dev = torch.device(device)
     configs = [(n, h, d) for n in lengths for h in heads for d in head_dims]
-    patterns, backends = list(patterns), list(backends)
+    patterns, backends = list(default_patterns() if patterns is None else patterns), list(backends)
     for n, h, d in tqdm(configs, desc="bench attention", unit="size"):
         hk = kv_heads or h
         gen = torch.Generator(device=dev).manual_seed(0)

@@ -13,6 +13,7 @@ from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+import attn_patterns  # names only until first used (PEP 562): no torch for --help
 from sparse_ft.files.outputs import OUTPUT_FIELD, atomic_file, markdown_marker
 from sparse_ft.modeling.dtypes import SHORT_NAMES
 
@@ -67,7 +68,8 @@ def configure(bench: argparse.ArgumentParser) -> None:
     which = bench.add_subparsers(dest="bench", required=True, metavar="KIND")
     p = which.add_parser("attention", help="forward+backward time and peak memory of each pattern vs dense causal SDPA")
     _common(p, "2048,4096,8192,16384", REPEATS["attention"])
-    p.add_argument("--patterns", default="s2,scca_fixed,scca_flow,sda,longmixed", help="patterns (comma list)")
+    p.add_argument("--patterns", default=None, help="patterns (comma list; default: every registered pattern that "
+                   "builds from its name alone, except causal, the baseline's own visible set)")
     p.add_argument("--backends", default="sdpa", help=f"pattern backends, one row each (comma list of {BACKENDS})")
     p.add_argument("--heads", default="8", help="query heads (comma list)")
     p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default: as many as query heads)")
@@ -77,7 +79,9 @@ def configure(bench: argparse.ArgumentParser) -> None:
     p.set_defaults(func=main)
     t = which.add_parser("train", help="tokens/s and peak memory of a LoRA+ training step per pattern vs full attention")
     _common(t, "2048,4096,8192", REPEATS["train"])
-    t.add_argument("--patterns", default="s2,scca_fixed,scca_flow,longmixed", help="patterns beside full attention (comma list)")
+    t.add_argument("--patterns", default=None,
+                   help="patterns beside full attention (comma list; default: SCCA's Table 2, the patterns "
+                        "tagged scca_table2)")
     _model(t)
     t.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=None,
                    help="default: on for the GPU models, 1b and 8b (as the recipes train), off for tiny")
@@ -201,10 +205,9 @@ def main(args: argparse.Namespace) -> int:
         heads, dims = _ints(args.heads), _ints(args.head_dims)
     except argparse.ArgumentTypeError as err:
         raise ValueError(f"bench attention: {err}") from None
-    patterns = _names(args.patterns, "bench attention: --patterns")
+    patterns = (attention.default_patterns() if args.patterns is None
+                else _names(args.patterns, "bench attention: --patterns"))
     backends = _backends(args.backends, device, dtype, "bench attention: --backends", head_dim=max(dims))
-    import attn_patterns
-
     for h in heads:  # bad names and head counts fail before any measurement
         if args.kv_heads is not None and (args.kv_heads < 1 or h % args.kv_heads):
             raise ValueError(f"bench attention: --kv-heads={args.kv_heads} must divide every --heads value (got {h})")
@@ -230,7 +233,8 @@ def main_train(args: argparse.Namespace) -> int:
     from sparse_ft.bench import models, train_step
 
     device, dtype, lengths = _setup(args, "train")
-    patterns = _names(args.patterns, "bench train: --patterns")
+    patterns = (attn_patterns.PATTERNS.names(tag="scca_table2") if args.patterns is None
+                else _names(args.patterns, "bench train: --patterns"))
     if args.backend is not None:
         if "," in args.backend:
             raise ValueError(f"bench train: --backend={args.backend!r} names one backend (the patterns' attention.backend)")

@@ -207,13 +207,15 @@ def one_line(text: str) -> str:
 def run(args: argparse.Namespace) -> int:
     """Prompts, sampling, method and output checked; the tokenizer, every prompt's length
     checked against the config before the weights load; then batch by batch, each batch's
-    completions printed as it finishes; the JSON lines last."""
+    completions printed as it finishes (the first forward checked to run the method installed,
+    as ``sparse-ft eval``'s); the JSON lines last."""
     import torch
     from tqdm import tqdm
     from transformers import TextStreamer
 
     from sparse_ft.evaluation import loading
     from sparse_ft.evaluation.cli import load_model, method_from_args
+    from sparse_ft.modeling.attention import FirstForwardCheck
 
     prompts = read_prompts(args)
     sampling = sampling_of(args)
@@ -226,6 +228,7 @@ def run(args: argparse.Namespace) -> int:
     model, _ = load_model(args, method, tokenizer=False, log=sys.stderr,
                           check_config=lambda config: check_lengths(args, method, config, prompts=prompts, ids=ids))
     method.apply(model, max(len(c) + len(q) for c, q in ids) + args.max_new_tokens)
+    FirstForwardCheck(model, when=f"--method {args.method}")  # the method asked for is the one that runs, as eval's
     size = args.batch_size if "left" in method.supports.padding else 1
     stream = len(prompts) == 1 and not method.decodes_itself
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None

@@ -2,7 +2,9 @@
 
 A picture must not mislead a reader who only looks at it: its title names the model and the
 runs, the log axis of PPL has labelled ticks at both ends of the data, and curves that lie
-on top of each other differ in marker and line style, not in colour alone.
+on top of each other differ in marker and line style, not in colour alone. Heatmaps use a
+perceptually uniform map that reads the same to colour-blind readers and in grey, with every
+cell's value written in.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from typing import Iterable, Sequence
 from sparse_ft.files.outputs import OUTPUT_FIELD, atomic_file
 
 MARKERS = "osD^vP*Xh<>p"
+# Dark to bright, monotonic in lightness: no red-green contrast carries the scores (RdYlGn did).
+HEATMAP_CMAP = "viridis"
 LINESTYLES = ((0, ()), (0, (5, 2)), (0, (1, 1.5)), (0, (6, 2, 1, 2)), (0, (3, 1, 1, 1, 1, 1)))  # solid, dashed, dotted, ...
 # Nice numbers per decade, finer when the data spans few decades, for the labelled ticks of a log axis.
 LOG_STEPS = ((0.3, (1, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.8, 2, 2.2, 2.4, 2.6, 2.8, 3, 3.2, 3.4, 3.6, 3.8, 4, 4.5, 5, 5.5, 6, 7,
@@ -123,24 +127,28 @@ def _tokens(n: int) -> str:
 
 def _heatmap(grid: Sequence[Sequence[float]], output: Path, *, columns: list[str], rows: list[str], xlabel: str,
              ylabel: str, scale: float, colorbar: str, digits: int, title: str, writer: str, summary_row: bool = False) -> Path:
-    """A red-to-green table of scores in [0, ``scale``], each cell written in; with
-    ``summary_row`` the last row (a mean) is set apart by a line."""
+    """A table of scores in [0, ``scale``] in :data:`HEATMAP_CMAP`, each cell written in, in
+    black on bright cells and white on dark ones; with ``summary_row`` the last row (a mean) is
+    set apart by a line."""
     import numpy as np
 
     plt = _pyplot()
     values = np.array(grid, dtype=float)
     width = max(5.6, 2.2 + 0.8 * len(columns) + 0.06 * max(map(len, rows)))
     fig, ax = plt.subplots(figsize=(width, 1.8 + 0.45 * len(rows)))
-    image = ax.imshow(values, vmin=0, vmax=scale, cmap="RdYlGn", aspect="auto", origin="upper")
+    image = ax.imshow(values, vmin=0, vmax=scale, cmap=HEATMAP_CMAP, aspect="auto", origin="upper")
     if summary_row:
-        ax.axhline(len(rows) - 1.5, color="black", linewidth=2)
+        for color, width in (("white", 4), ("black", 1.5)):  # seen on the darkest and the brightest cells
+            ax.axhline(len(rows) - 1.5, color=color, linewidth=width)
     ax.set_xticks(range(len(columns)), columns)
     ax.set_yticks(range(len(rows)), rows)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     for y in range(len(rows)):
         for x in range(len(columns)):
-            ax.text(x, y, f"{values[y, x]:.{digits}f}", ha="center", va="center", fontsize=8)
+            red, green, blue, _ = image.cmap(image.norm(values[y, x]))
+            ink = "black" if 0.299 * red + 0.587 * green + 0.114 * blue > 0.5 else "white"  # luma
+            ax.text(x, y, f"{values[y, x]:.{digits}f}", ha="center", va="center", fontsize=8, color=ink)
     fig.colorbar(image, ax=ax, label=colorbar)
     ax.set_title(title, fontsize="medium")
     fig.tight_layout()

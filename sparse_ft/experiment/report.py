@@ -6,6 +6,7 @@ passkey heatmap per row."""
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from pathlib import Path
 from statistics import mean
@@ -149,8 +150,29 @@ def tables(results: dict) -> str:
     return "\n".join(out + _ruler_table(rows, groups))
 
 
+# What says how this invocation ran rather than what the rows hold.
+INVOCATION_FIELDS = ("wall_seconds", "machine")
+
+
+def _unchanged(results: dict, path: Path) -> bool:
+    """``path`` already records ``results``: the same settings and rows, whatever this
+    invocation's wall time and machine (all rows were reused)."""
+    try:
+        recorded = json.loads(path.read_text())
+    except (OSError, ValueError):  # none yet, or unreadable: written afresh
+        return False
+    fresh = json.loads(json.dumps(results))  # tuples as lists, as read back
+    return all(recorded.get(k) == fresh.get(k) for k in fresh.keys() | recorded.keys() if k not in INVOCATION_FIELDS)
+
+
 def write_report(results: dict, out: Path) -> None:
+    """results.json, tables.md and the plots; a rerun that changed nothing rewrites none of
+    them (they are committed: a clone that reruns the experiment stays clean)."""
     out = Path(out)
+    if _unchanged(results, out / "results.json"):
+        print(f"{out}: every row was reused and the results are unchanged; results.json, tables.md and plots kept "
+              "(--replot redraws the plots)")
+        return
     write_json(out / "results.json", results)
     with atomic_file(out / "tables.md") as f:
         f.write(tables(results))

@@ -25,14 +25,13 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from sparse_ft import console
-from sparse_ft.config.paths import RECIPE_DIRS
+from sparse_ft.config.paths import RECIPE_DIRS, REPO_ROOT
 from sparse_ft.experiment.pretrain import ASSET_DIR, machine
 from sparse_ft.modeling.rope import METHODS as ROPE_METHODS
 
 HELP = "the tiny base extended 4x by every pattern and training-free method: tables, plots"
 WRITER = "sparse-ft experiment"
 RECIPE = RECIPE_DIRS[0] / "experiment" / "tiny_4x.yaml"
-PATTERNS = ["full", "s2", "scca_fixed", "scca_flow", "longmixed"]
 # The training-free rows: the unchanged base ("vanilla"), then every method that does not
 # train, at its defaults but for the settings a 256-token base needs, each followed by its
 # ablation rows: a new method in sparse_ft.methods gets its row with no change here.
@@ -45,11 +44,26 @@ ABLATIONS: dict[str, dict[str, dict]] = {
             "dca_qwen": {"variant": "qwen"}},
     "longheads": {"longheads_paper": {"keep_previous": False}},
 }
-# RULER's tasks whose shortest prompt (with its generation budget) fits the fine-tuning target
-# 4C = 1024 on the tiny base: every mean is then over the same tasks at every length. vt (1,746
-# tokens with its worked example) and cwe (1,732) need 2048.
-RULER_TASKS = ["niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
-               "niah_multikey_3", "niah_multivalue", "niah_multiquery", "fwe"]
+# RULER's tasks whose shortest prompt (with its generation budget) does not fit the fine-tuning
+# target 4C = 1024 on the tiny base: vt (1,746 tokens with its worked example) and cwe (1,732)
+# need 2048. Every other registered RULER task runs, so every mean is over the same tasks at every length.
+RULER_TOO_LONG = ("vt", "cwe")
+
+
+def trained_patterns() -> list[str]:
+    """The fine-tuned rows: full attention, then the patterns SCCA's Table 2 fine-tunes, those
+    registered with the tag ``scca_table2`` (S², SCCA fixed, SCCA flow, LongMixed). A selection,
+    not every trainable name: ``sda`` is LongMixed's component and ``mixed`` needs its parts."""
+    import attn_patterns
+
+    return ["full", *attn_patterns.PATTERNS.names(tag="scca_table2")]
+
+
+def ruler_tasks() -> list[str]:
+    """The registered RULER tasks, in their order, but those of :data:`RULER_TOO_LONG`."""
+    from sparse_ft.evaluation.tasks.generation import generation_tasks
+
+    return [task for task in generation_tasks() if task not in RULER_TOO_LONG]
 
 
 def free_methods() -> dict[str, tuple[str, dict]]:
@@ -72,7 +86,7 @@ class ExperimentConfig:
     recipe: str = str(RECIPE)
     factor: int = 4  # fine-tuning target = factor x the base's context
     rope_method: str = "linear"  # how fine-tuning extends RoPE: PI (the papers'), or dynamic NTK / YaRN
-    patterns: list[str] = field(default_factory=lambda: list(PATTERNS))
+    patterns: list[str] = field(default_factory=trained_patterns)
     seeds: list[int] = field(default_factory=lambda: [0, 1])
     steps: int = 1000
     ppl_factors: list[int] = field(default_factory=lambda: [1, 2, 4])
@@ -82,7 +96,7 @@ class ExperimentConfig:
     ppl_windows: int = 16  # windows per length; stride = the base's context
     passkey_depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
     passkey_trials: int = 5
-    ruler_tasks: list[str] = field(default_factory=lambda: list(RULER_TASKS))  # [] leaves RULER out
+    ruler_tasks: list[str] = field(default_factory=ruler_tasks)  # [] leaves RULER out
     ruler_factors: list[int] = field(default_factory=lambda: [4, 8])  # every row, fine-tuned and training-free
     ruler_samples: int = 3  # per task and length (RULER's runs use 500; each is a 128-token greedy answer here)
     data: str = ".cache/sparse-ft/experiment"  # fine-tuning corpus at the target length
@@ -125,8 +139,22 @@ QUICK = dict(output="results/experiment-quick", runs="runs/experiment-quick", st
              ruler_tasks=[])
 
 
-def _row_key(kind: str, settings: dict) -> str:
-    return hashlib.sha256(json.dumps([kind, settings], sort_keys=True, default=str).encode()).hexdigest()[:16]
+def portable(value: Any) -> Any:
+    """``value`` (nested dicts and lists) with every absolute path inside the repository written
+    relative to it: row keys and the recorded settings are then the same in every clone, so a
+    rerun elsewhere neither recomputes finished rows nor rewrites committed results. A path
+    outside the repository stays as it is; what a path holds is keyed apart (``base_sha``)."""
+    if isinstance(value, dict):
+        return {k: portable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [portable(v) for v in value]
+    if isinstance(value, (str, Path)) and Path(value).is_absolute() and Path(value).is_relative_to(REPO_ROOT):
+        return Path(value).relative_to(REPO_ROOT).as_posix()
+    return value
+
+
+def _row_key(kind: str, settings: Any) -> str:
+    return hashlib.sha256(json.dumps([kind, portable(settings)], sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def evaluate(model, tokenizer, method, val, *, context: int, ppl_lengths: list[int], passkey_lengths: list[int],
@@ -250,9 +278,7 @@ class Runner:
         name = f"{pattern}-seed{seed}"
         run_dir = Path(self.cfg.runs) / name
         recipe = self._recipe(pattern, seed, str(run_dir))
-        # "ppl_own_pattern": rows written before that column existed are re-evaluated
-        settings = {"recipe": recipe.to_dict(), **self._eval_settings(), "ppl_own_pattern": True}
-        key = _row_key("fine-tuned", settings)
+        key = self._fine_tuned_key(recipe)
         if (row := self._cached(name, key)) is not None:
             adapter = lambda: self._train(recipe, run_dir)[0]["adapter"]  # reused: only RULER may be missing
             return self._with_ruler(row, lambda: loading.load(self.cfg.base, adapter()), methods.get("full"))
@@ -278,8 +304,7 @@ class Runner:
 
         name, params = free_methods()[label]
         method = methods.get(name, **params)
-        # keyed on every parameter, defaults included: a changed default is a new row, not a stale one
-        key = _row_key("training-free", {"method": repr(method), "base": self.cfg.base, **self._eval_settings()})
+        key = self._free_key(method)
         if (row := self._cached(label, key)) is not None:
             return self._with_ruler(row, lambda: loading.load(self.cfg.base), method)
         began = time.perf_counter()
@@ -334,6 +359,14 @@ class Runner:
         measured, note = self.ruler_base
         return measured, None if measured is not None else note
 
+    def _fine_tuned_key(self, recipe) -> str:
+        # "ppl_own_pattern": rows written before that column existed are re-evaluated
+        return _row_key("fine-tuned", {"recipe": recipe.to_dict(), **self._eval_settings(), "ppl_own_pattern": True})
+
+    def _free_key(self, method) -> str:
+        # keyed on every parameter, defaults included: a changed default is a new row, not a stale one
+        return _row_key("training-free", {"method": repr(method), "base": self.cfg.base, **self._eval_settings()})
+
     def _eval_settings(self) -> dict:
         c = self.cfg
         return {"ppl_factors": c.ppl_factors, "passkey_factors": c.passkey_factors, "free_factors": c.free_factors,
@@ -355,7 +388,7 @@ class Runner:
         # of the whole table even when this invocation only filled in what changed
         row_seconds = sum(r.get("train_seconds", 0.0) + r["eval_seconds"] + r.get("ruler", {}).get("seconds", 0.0)
                           for r in rows)
-        results = {"config": asdict(self.cfg), "context": self.context, "target": self.target, "rows": rows,
+        results = {"config": portable(asdict(self.cfg)), "context": self.context, "target": self.target, "rows": rows,
                    "wall_seconds": time.perf_counter() - began, "row_seconds": row_seconds, "machine": machine()}
         from sparse_ft.experiment.report import write_report
 
@@ -399,7 +432,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rope-method", default=d.rope_method, choices=list(ROPE_METHODS),
                    help="RoPE extension of the fine-tuned rows (default linear = PI); other methods write to "
                         "<output>-<method> and <runs>-<method> unless --output/--runs are given")
-    p.add_argument("--patterns", type=_list(str), default=None, help=f"trained patterns (default {','.join(PATTERNS)})")
+    p.add_argument("--patterns", type=_list(str), default=None,
+                   help="trained patterns (default: full, then SCCA's Table 2: the patterns tagged scca_table2)")
     p.add_argument("--seeds", type=_list(int), default=None, help="fine-tuning seeds (default 0,1)")
     p.add_argument("--steps", type=int, default=None, help=f"fine-tuning steps per run (default {d.steps})")
     p.add_argument("--free-methods", type=_list(str), default=None,

@@ -348,6 +348,9 @@ def write_synced(path: Path, data: bytes) -> None:
         raise OSError(err.errno, err.strerror or str(err), str(path)) from err
 
 
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)  # a write the run cannot make until space is freed
+
+
 def os_error(err: Exception, path: Path) -> Optional[OSError]:
     """A library's error for a failed write as the ``OSError`` it reports, naming ``path``
     (safetensors' writer, under PEFT's ``save_pretrained``, raises ``SafetensorError: ... No

@@ -144,12 +144,15 @@ def check_factor(config: Any, factor: float) -> None:
     """Refuse scaling ``config``'s RoPE by ``factor`` when that, composed with the scaling it
     has, goes past :data:`MAX_FACTOR`; what :func:`scale_rope` does first, and a run's
     preflight with :func:`extension_factor`, before any weights load."""
-    total = float(rope_parameters(config)["factor"]) * float(factor)
+    has = float(rope_parameters(config)["factor"])
+    total = has * float(factor)
     if total > MAX_FACTOR:
         context = original_context(config)
+        # the longest length extend_to takes: the context it scales from times what is left of the limit
+        longest = int(context_length(config) * MAX_FACTOR / has)
         raise ValueError(f"RoPE factor {total:,.6g} (the model's pretraining context of {context:,} tokens extended "
                          f"{total:,.6g}x) is above {MAX_FACTOR}: published PI / YaRN extensions reach 16-32x; at most "
-                         f"{MAX_FACTOR * context:,} tokens on this model")
+                         f"{longest:,} tokens on this model")
 
 
 def extension_factor(config: Any, target_length: int) -> float:

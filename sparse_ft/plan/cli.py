@@ -114,6 +114,29 @@ def check_lora_rank(lora: Any, shape: Any) -> None:
         fail("lora.r", lora.r, rule)
 
 
+def check_rope_factor(shape: Any, native_length: Optional[int], lengths: dict[str, list[int]]) -> None:
+    """Each length's RoPE factor by the rule ``train`` applies before loading
+    (``rope.check_factor`` on ``rope.extension_factor``, over the context the shape's config
+    states, or ``model.native_length`` as ``train`` takes it), in one line naming the key or
+    flag (``lengths``: each one's lengths)."""
+    from sparse_ft.config.schema import fail
+    from sparse_ft.modeling import rope
+
+    config = shape.rope_config()
+    try:
+        rope.set_native_length(config, native_length)
+    except ValueError as err:
+        fail("model.native_length", native_length, str(err))
+    for key, values in lengths.items():
+        for n in values:
+            try:
+                rope.check_factor(config, rope.extension_factor(config, n))
+            except ValueError as err:
+                if key.startswith("--"):
+                    raise ValueError(f"{key} {n} is invalid: {err}") from None
+                fail(key, n, str(err))
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("assignments", nargs="*", metavar="recipe=NAME | KEY=VALUE",
                         help="the recipe and dotted.key=value overrides, as sparse-ft train takes them")
@@ -146,7 +169,8 @@ def setup_from_recipe(recipe: Any, **changes: Any):
     offload = zero.get("offload_optimizer", {}) or {}
     train = recipe.train
     setup = Setup(
-        shape=model_shape(recipe.model.name_or_path, trust_remote_code=recipe.model.trust_remote_code),
+        shape=model_shape(recipe.model.name_or_path, trust_remote_code=recipe.model.trust_remote_code,
+                          tiny=recipe.model.tiny),
         dtype=recipe.model.dtype, quantization=recipe.model.quantization, lora_r=recipe.lora.r,
         lora_targets=tuple(recipe.lora.target_modules), extra_trainable=tuple(recipe.lora.extra_trainable),
         gradient_checkpointing=train.gradient_checkpointing, offload_activations=train.offload_activations,
@@ -185,6 +209,8 @@ def run(args: argparse.Namespace) -> int:
     lengths = _ints(args.lengths, "--lengths") if args.lengths else [recipe.model.target_length]
     if length_rule(max(lengths)):  # the recipe's target_length was checked when it loaded
         raise ValueError(f"--lengths {max(lengths)} is invalid: {length_rule(max(lengths))}")
+    check_rope_factor(base.shape, recipe.model.native_length,
+                      {"model.target_length": [recipe.model.target_length], "--lengths": lengths if args.lengths else []})
     uneven = [n for n in lengths if n % base.sequence_parallel]
     if uneven:
         raise ValueError(f"--lengths {uneven[0]} must be a multiple of the recipe's train.sequence_parallel_size="

@@ -8,13 +8,15 @@ environment variables (``WANDB_ENVIRONMENT``), as ``wandb.init``'s own arguments
 environment; TensorBoard writes to ``TENSORBOARD_LOGGING_DIR`` when set (as transformers'
 Trainer), else to ``output_dir/tensorboard``; preflight checks that directory as it checks
 ``train.output_dir`` (``check_tensorboard_dir``). Both get the resolved recipe as the run's
-configuration."""
+configuration. TensorBoard writes from a thread of its own; a full disk there ends the run in
+the one line any other write of the run gives (``WriterThreadFailure``)."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import os
+import threading
 from pathlib import Path
 from typing import Optional
 
@@ -22,7 +24,7 @@ import torch
 
 from sparse_ft.config import Recipe, format_recipe
 from sparse_ft.config.schema import BadInput, fail
-from sparse_ft.files.outputs import file_in_the_way
+from sparse_ft.files.outputs import DISK_FULL, file_in_the_way
 
 WANDB_ID_FILE = "wandb_run_id"
 LOG_FILE = "log.jsonl"
@@ -110,15 +112,54 @@ def _wandb_run(wandb, output_dir: Path, resumed: bool, recipe: Optional[Recipe])
     return run
 
 
+class WriterThreadFailure:
+    """``threading.excepthook`` while TensorBoard's writer runs, for the threads it started.
+
+    TensorBoard writes events from its own thread: a full disk there printed that thread's
+    traceback (``Exception in thread ...``) before the run's one-line error. This hook takes a
+    full disk (``DISK_FULL``) in those threads only, keeps it for :meth:`check` (every step's
+    log line calls it, so the loop stops at the next step in the one line a full disk gives
+    anywhere else), and hands every other exception, in any thread, to the hook it replaced.
+    A hook rather than a flush after each log: a flush makes the main thread wait for the
+    writer but leaves the thread's own traceback, which only a hook keeps off the console."""
+
+    def __init__(self, threads: set[threading.Thread], path: Path) -> None:
+        self.threads, self.path = threads, path
+        self.error: Optional[OSError] = None
+        self.replaced = threading.excepthook
+        threading.excepthook = self
+
+    def __call__(self, args) -> None:
+        if args.thread in self.threads and isinstance(args.exc_value, OSError) and args.exc_value.errno in DISK_FULL:
+            self.error = args.exc_value
+        else:
+            self.replaced(args)
+
+    def check(self) -> None:
+        """The writer's full disk, as an ``OSError`` naming TensorBoard's directory."""
+        if self.error is not None:
+            raise self.named(self.error) from self.error
+
+    def named(self, err: OSError) -> OSError:
+        return OSError(err.errno, err.strerror or str(err), str(self.path))
+
+    def remove(self) -> None:
+        if threading.excepthook is self:
+            threading.excepthook = self.replaced
+
+
 def _tensorboard(output_dir: Path, resumed_at: int, recipe: Optional[Recipe]):
     """The TensorBoard writer, the resolved recipe in its text tab and its scalars as the run's
-    hyperparameters."""
+    hyperparameters, and the hook that takes a full disk in its thread."""
     from torch.utils.tensorboard import SummaryWriter
     from torch.utils.tensorboard.summary import hparams
 
+    path = tensorboard_dir(output_dir)[1]
+    before = set(threading.enumerate())
     # purge_step drops the events written after the checkpoint resumed from (by a killed
     # run, or, when starting afresh, by an earlier run whose checkpoints were overwritten)
-    writer = SummaryWriter(str(tensorboard_dir(output_dir)[1]), purge_step=resumed_at + 1)
+    writer = SummaryWriter(str(path), purge_step=resumed_at + 1)
+    failure = WriterThreadFailure(set(threading.enumerate()) - before, path)  # the writer's thread starts with it
     if recipe is not None:
         writer.add_text("recipe", "```yaml\n" + format_recipe(recipe) + "```")
         flat = {}
@@ -127,7 +168,7 @@ def _tensorboard(output_dir: Path, resumed_at: int, recipe: Optional[Recipe]):
                 flat[f"{section}.{key}".rstrip(".")] = value if isinstance(value, (int, float, str, bool)) else str(value)
         for summary in hparams(flat, {}):
             writer.file_writer.add_summary(summary)
-    return writer
+    return writer, failure
 
 
 class MetricLog:
@@ -138,9 +179,9 @@ class MetricLog:
         # a step's validation lines (``kind``) follow its training line
         lines = sorted([*history, *validations], key=lambda r: (r["step"], "kind" in r))
         self.path.write_text("".join(json.dumps(r) + "\n" for r in lines))
-        self.tensorboard = self.wandb = None
+        self.tensorboard = self.wandb = self.tensorboard_failure = None
         if "tensorboard" in report_to:
-            self.tensorboard = _tensorboard(output_dir, len(history), recipe)
+            self.tensorboard, self.tensorboard_failure = _tensorboard(output_dir, len(history), recipe)
         if "wandb" in report_to:
             import wandb
 
@@ -148,7 +189,10 @@ class MetricLog:
 
     def write(self, record: dict, report: bool = True) -> None:
         """Every step goes to the JSONL file (the full loss curve); ``report`` also sends it to
-        TensorBoard / W&B (the recipe's log steps)."""
+        TensorBoard / W&B (the recipe's log steps). A full disk met by TensorBoard's thread
+        since the last step is raised here."""
+        if self.tensorboard_failure is not None:
+            self.tensorboard_failure.check()
         self._append(record)
         if report:
             self._report({f"train/{k}": v for k, v in record.items() if k != "step"}, record["step"])
@@ -169,13 +213,23 @@ class MetricLog:
 
     def _report(self, scalars: dict, step: int) -> None:
         if self.tensorboard is not None:
-            for key, value in scalars.items():
-                self.tensorboard.add_scalar(key, value, step)
+            try:  # TensorBoard raises its thread's error at the next event too
+                for key, value in scalars.items():
+                    self.tensorboard.add_scalar(key, value, step)
+            except OSError as err:
+                raise self.tensorboard_failure.named(err) from err
         if self.wandb is not None:
             self.wandb.log(scalars, step=step)
 
     def close(self) -> None:
+        """Every tracker finished; a full disk in TensorBoard's last events is raised here
+        (closing joins its thread, so its hook has run)."""
         if self.tensorboard is not None:
-            self.tensorboard.close()
+            try:
+                self.tensorboard.close()
+            except OSError as err:
+                raise self.tensorboard_failure.named(err) from err
+            self.tensorboard_failure.remove()
+            self.tensorboard_failure.check()
         if self.wandb is not None:
             self.wandb.finish()

@@ -7,7 +7,6 @@ processes that continues the epoch where it stood."""
 
 from __future__ import annotations
 
-import errno
 import itertools
 import json
 import os
@@ -26,7 +25,7 @@ from sparse_ft.config.schema import one_line
 from sparse_ft.data.packing import TokenBlocks, build_train_dataset
 from sparse_ft.modeling.attention import AttentionNotCalled, checked_calls
 from sparse_ft.modeling.model_io import load_tokenizer, materialize_tiny
-from sparse_ft.files.outputs import RunLock, write_synced
+from sparse_ft.files.outputs import DISK_FULL, RunLock, write_synced
 from sparse_ft.train import checkpoint, run_directory, sequence_parallel, validation
 from sparse_ft.train.checkpoint import NonFiniteWeights
 from sparse_ft.train.adapter import adapter_meta, save_adapter
@@ -72,9 +71,6 @@ def total_steps(recipe: Recipe, order: DataOrder, start: DataPosition, done: int
             f"{t.gradient_accumulation_steps}: set train.max_steps or add data"
         )
     return steps
-
-
-DISK_FULL = (errno.ENOSPC, errno.EDQUOT)  # a write the run cannot make until space is freed
 
 
 class Trainer:
