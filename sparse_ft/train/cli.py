@@ -57,6 +57,8 @@ def run(args: argparse.Namespace) -> int:
     from sparse_ft.train.checkpoint import CheckpointWriteError
     from sparse_ft.train.trainer import Trainer
 
+    from sparse_ft.train.distributed import end_distributed
+
     trainer = Trainer(recipe)
     try:
         trainer.run()
@@ -67,4 +69,5 @@ def run(args: argparse.Namespace) -> int:
         if trainer.training:  # raised by the loop itself, not by an input: its traceback is what to look at
             raise RuntimeError(f"training stopped: {err}") from err
         raise
+    end_distributed()  # the run is over (an error leaves the group to the exit that follows)
     return 0

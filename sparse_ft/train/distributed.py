@@ -48,6 +48,15 @@ def _skip_shared_memory_allreduce() -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
+def end_distributed() -> None:
+    """The process group of a launched multi-process run, destroyed when the run is over. Left
+    to the interpreter's exit, gloo's threads are torn down in no set order, and a rank that had
+    saved everything once aborted there ("terminate called without an active exception", exit
+    250) in CI under load. A single process keeps its group: tests run several in one."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.destroy_process_group()
+
+
 def init_distributed(use_deepspeed: bool) -> tuple[int, int]:
     """Returns ``(rank, world_size)``."""
     if not use_deepspeed:
