@@ -180,6 +180,23 @@ def _fwd_block(acc, m_i, l_i, q, k_head, v_head, kb, start, dil, rows, lo, hi, s
 
 
 @triton.jit
+def _query_block(STRIDE, START, ROWS, LO, HI, STEP, R, h, qb, offs_q, BLOCK_Q: tl.constexpr):
+    """Query block ``qb`` of head ``h``, as the forward and dQ kernels both read it: the head's
+    rows, dilation and start, the block's first position, which of its rows are real, and
+    each row's visible key range (``lo``, ``hi``, ``step``) from the layout."""
+    rows = tl.load(ROWS + h)
+    dil = tl.load(STRIDE + h)
+    start = tl.load(START + h)
+    m = qb * BLOCK_Q + offs_q
+    real = m < rows
+    first = (start + dil * qb * BLOCK_Q).to(tl.int64)  # the block's first position
+    lo = tl.load(LO + h * R + m, mask=real, other=0)
+    hi = tl.load(HI + h * R + m, mask=real, other=-1)
+    step = tl.load(STEP + h * R + m, mask=real, other=1)
+    return rows, dil, start, first, real, lo, hi, step
+
+
+@triton.jit
 def _fwd_kernel(Q, K, V, O, LSE,
                 sq_v, sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, so_b, so_h, so_n,
                 STRIDE, START, ROWS, LO, HI, STEP, R,
@@ -191,22 +208,14 @@ def _fwd_kernel(Q, K, V, O, LSE,
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
     h = bh % H
-    rows = tl.load(ROWS + h)
-    dil = tl.load(STRIDE + h)
-    start = tl.load(START + h)
     offs_q = tl.arange(0, BLOCK_Q)
     offs_k = tl.arange(0, BLOCK_K)
     offs_d = tl.arange(0, BLOCK_D)
-    m = qb * BLOCK_Q + offs_q
-    real = m < rows
+    rows, dil, start, first, real, lo, hi, step = _query_block(STRIDE, START, ROWS, LO, HI, STEP, R, h, qb, offs_q, BLOCK_Q)
     io_mask = real[:, None]
-    first = (start + dil * qb * BLOCK_Q).to(tl.int64)  # the block's first position
     q_block = Q + b * sq_b + h * sq_h + first * sq_n
     if VARIANTS == 1:
         q = _rows(q_block, offs_q, offs_d, dil * sq_n, io_mask)
-    lo = tl.load(LO + h * R + m, mask=real, other=0)
-    hi = tl.load(HI + h * R + m, mask=real, other=-1)
-    step = tl.load(STEP + h * R + m, mask=real, other=1)
     kvh = h // GROUPS
     k_head = K + b * sk_b + kvh * sk_h
     v_head = V + b * sv_b + kvh * sv_h
@@ -295,16 +304,11 @@ def _dq_kernel(Q, K, V, DO, DQ, LSE, DELTA,
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
     h = bh % H
-    rows = tl.load(ROWS + h)
-    dil = tl.load(STRIDE + h)
-    start = tl.load(START + h)
     offs_q = tl.arange(0, BLOCK_Q)
     offs_k = tl.arange(0, BLOCK_K)
     offs_d = tl.arange(0, BLOCK_D)
-    m = qb * BLOCK_Q + offs_q
-    real = m < rows
+    rows, dil, start, first, real, lo, hi, step = _query_block(STRIDE, START, ROWS, LO, HI, STEP, R, h, qb, offs_q, BLOCK_Q)
     io_mask = real[:, None]
-    first = (start + dil * qb * BLOCK_Q).to(tl.int64)
     q_block = Q + b * sq_b + h * sq_h + first * sq_n
     dq_block = DQ + b * sdq_b + h * sdq_h + first * sdq_n
     if VARIANTS == 1:
@@ -314,9 +318,6 @@ def _dq_kernel(Q, K, V, DO, DQ, LSE, DELTA,
     rowwise = (b * H + h) * N + first + offs_q * dil
     lse = tl.load(LSE + rowwise, mask=real, other=float("inf"))
     delta = tl.load(DELTA + rowwise, mask=real, other=0.0)
-    lo = tl.load(LO + h * R + m, mask=real, other=0)
-    hi = tl.load(HI + h * R + m, mask=real, other=-1)
-    step = tl.load(STEP + h * R + m, mask=real, other=1)
     kvh = h // GROUPS
     k_head = K + b * sk_b + kvh * sk_h
     v_head = V + b * sv_b + kvh * sv_h
