@@ -9,7 +9,6 @@ command as ``sparse-ft train`` (``sparse_ft/train/cli.py``), kept as a script fo
 import sys
 
 from sparse_ft.cli import script
-from sparse_ft.train.cli import parse_argv  # noqa: F401  (what the arguments mean, for wrappers)
 
 
 def main() -> int:

@@ -50,6 +50,13 @@ class Pattern:
         self.backend = backend
         self.params = params
 
+    @classmethod
+    def check_params(cls, **params: Any) -> None:
+        """Refuse the constructor's parameter values (ValueError, one line) without building
+        the pattern: what ``PATTERNS.check`` runs on a recipe, which stays data until the run
+        builds it once. A pattern that checks values overrides it and calls it first in its
+        constructor, so each value is refused by one piece of code; this default checks none."""
+
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.params.items())
         return f"{self.name}({args})"

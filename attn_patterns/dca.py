@@ -61,7 +61,7 @@ PIECES = ("intra", "intra+inter", "intra+inter+successive")
 
 
 # --- positions --------------------------------------------------------------------------
-def resolve(
+def dca_sizes(
     pretraining_length: int, chunk_size: Optional[int] = None, local_window: Optional[int] = None, variant: str = "paper"
 ) -> tuple[int, int, int]:
     """``(s, w, c)`` with the defaults s = 3c/4 and w = c - s (paper) or w = c/8 (ChunkLlama's
@@ -285,7 +285,7 @@ class DualChunkAttention(Algorithm):
         if local_window is not None:
             check_int("local_window", local_window, "dca", 0)
         if pretraining_length is not None:
-            resolve(pretraining_length, chunk_size, local_window, variant)
+            dca_sizes(pretraining_length, chunk_size, local_window, variant)
         super().__init__(backend=backend, chunk_size=chunk_size, local_window=local_window,
                          pretraining_length=pretraining_length, variant=variant, pieces=pieces,
                          logit_scale=logit_scale)
@@ -299,7 +299,7 @@ class DualChunkAttention(Algorithm):
         c = self.pretraining_length or pretraining_length
         if c is None:
             raise ValueError("dca: pretraining_length is unknown; pass pretraining_length=<the model's context>")
-        return resolve(c, self.chunk_size, self.local_window, self.variant)
+        return dca_sizes(c, self.chunk_size, self.local_window, self.variant)
 
     def scale(self, length: int, head_dim: int, pretraining_length: Optional[int] = None,
               base: Optional[float] = None) -> float:

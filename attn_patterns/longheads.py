@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from attn_patterns.algorithm import Algorithm, register
 from attn_patterns.checks import check_int
-from attn_patterns.kernels import attend_lse, lse_backend
+from attn_patterns.kernels import LSE_BACKENDS, attend_lse, lse_backend
 from attn_patterns.rotary import rotate as rerotate
 
 # Upper bound (estimated by _plan, about twice what a step holds) on the elements of one step's
@@ -96,15 +96,19 @@ class LongHeads(Algorithm):
     chunks per head, first and local included (default: as many as fit the pretraining
     length, k = L // l; the paper's 4k Llama-2 runs use k·l = 2k or 4k). ``keep_previous``
     (default, as the authors' code does) also forces the chunk before the query's own;
-    ``keep_previous=False`` is the paper's text (first and own chunk only)."""
+    ``keep_previous=False`` is the paper's text (first and own chunk only). ``backend``: the
+    attention kernel (default automatic; ``"triton"``: the one-kernel path on CUDA, named only)."""
 
     name = "longheads"
 
     def __init__(
         self, chunk_size: int = 256, chunks: Optional[int] = None, pretraining_length: Optional[int] = None,
-        keep_previous: bool = True,
+        *, keep_previous: bool = True, backend: Optional[str] = None,
     ) -> None:
         check_int("chunk_size", chunk_size, self.name)
+        if backend is not None and backend not in LSE_BACKENDS:
+            raise ValueError(f"{self.name}: backend={backend!r} is unknown; allowed: {', '.join(LSE_BACKENDS)} or None "
+                             "(automatic)")
         if not isinstance(keep_previous, bool):
             raise ValueError(f"{self.name}: keep_previous={keep_previous!r} must be true or false")
         least = 3 if keep_previous else 2
@@ -117,7 +121,9 @@ class LongHeads(Algorithm):
                 )
         if pretraining_length is not None:
             check_int("pretraining_length", pretraining_length, self.name)
-        super().__init__(chunk_size=chunk_size, chunks=chunks, pretraining_length=pretraining_length, keep_previous=keep_previous)
+        super().__init__(chunk_size=chunk_size, chunks=chunks, pretraining_length=pretraining_length, keep_previous=keep_previous,
+                         backend=backend)
+        self.backend = backend
         self.keep_previous = keep_previous
         self.chunk_size = chunk_size
         self.chunks = chunks
@@ -148,7 +154,8 @@ class LongHeads(Algorithm):
         reps = chunk_representations(q[:, :, :scored], k[:, :, :scored], v[:, :, :scored], chunk_size=size, first_chunk=0,
                                      inv_freq=inv_freq)
         return longheads_attention(q, k, v, reps=reps, chunk_size=self.chunk_size, chunks=chunks, inv_freq=inv_freq,
-                                   scale=1.0 / math.sqrt(q.shape[-1]), keep_previous=self.keep_previous, backend=backend)
+                                   scale=1.0 / math.sqrt(q.shape[-1]), keep_previous=self.keep_previous,
+                                   backend=backend or self.backend)
 
 
 def select_chunks(scores: torch.Tensor, query_chunk: int | torch.Tensor, chunks: int,
@@ -181,11 +188,19 @@ def longheads_attention(
     Rows inside the window k·l are causal attention (one call). Beyond it every row keeps
     exactly k-1 earlier chunks, and the rows run in steps of consecutive rows that
     :func:`_plan` sizes: per step :func:`choose_chunks` (the selection) then
-    :func:`attend_chosen` (the attention over what was chosen)."""
+    :func:`attend_chosen` (the attention over what was chosen), or with ``backend="triton"``
+    (named, never automatic; no gradients) one kernel per step instead
+    (:mod:`attn_patterns.longheads_triton`), the window on the automatic backend."""
     b, h, nq, d = q.shape
     nk = k.shape[2]
     start = nk - nq
-    backend = lse_backend(backend, q, k, v, owner="longheads")
+    backend = lse_backend(backend, q, k, v, owner="longheads", block_sparse=backend == "triton")
+    kernel = None
+    if backend == "triton":
+        from attn_patterns.longheads_triton import chosen_attention
+
+        kernel = chosen_attention(q, k, v, chunk_size=chunk_size, inv_freq=inv_freq, scale=scale)
+        backend = lse_backend(None, q, k, v, owner="longheads")
     out = torch.empty_like(q)
     window = min(nk, chunks * chunk_size)
     if start < window:  # every earlier chunk chosen and no position moved: causal attention
@@ -195,13 +210,16 @@ def longheads_attention(
     steps = _plan(start=start, nk=nk, chunk_size=chunk_size, chunks=chunks, batch_heads=b * h, head_dim=d,
                   budget=_CUDA_BLOCK_ELEMENTS if q.is_cuda else _BLOCK_ELEMENTS)
     buffers = _Buffers(q, k, v, reps)
-    if steps:  # prefill gathers more keys than exist: rotate them all once
+    if steps and kernel is None:  # prefill gathers more keys than exist: rotate them all once
         gather = _chunk_gather(k, v, chunk_size=chunk_size, inv_freq=inv_freq, buffers=buffers,
                                whole=(nk - steps[0][0]) * h * (chunks - 1) >= nk * k.shape[1])
     for first, last in steps:
         rows = q[:, :, first - start : last - start]
         chosen = choose_chunks(rows, reps, first=first, chunk_size=chunk_size, chunks=chunks, inv_freq=inv_freq,
                                keep_previous=keep_previous)
+        if kernel is not None:
+            kernel(rows, chosen, first, out[:, :, first - start : last - start])
+            continue
         out[:, :, first - start : last - start] = attend_chosen(rows, k, v, chosen, first=first, chunk_size=chunk_size,
                                                                 inv_freq=inv_freq, scale=scale, keep_previous=keep_previous,
                                                                 backend=backend, gather=gather, buffers=buffers)

@@ -53,17 +53,22 @@ class Delegated:
 Layout = tuple[tuple[Piece, ...], tuple[Delegated, ...]]
 
 
+def _check_backend(owner: str, backend: Optional[str]) -> None:
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"{owner}: backend={backend!r} is unknown; allowed: {', '.join(BACKENDS)} or None (= sdpa)")
+
+
 class _Builtin(Pattern):
     """The patterns of this module: ``pieces``, maskless calls on views that take grouped K/V
-    as they are, on the backends of :mod:`attn_patterns.kernels` (checked here, so a recipe
-    typo fails at ``get``)."""
+    as they are, on the backends of :mod:`attn_patterns.kernels`. Each class checks its
+    parameters in :meth:`check_params`, which its constructor calls first, so a recipe typo
+    fails when the recipe loads, without building the pattern."""
 
     native_gqa = True
 
-    def __init__(self, backend: Optional[str] = None, **params: Any) -> None:
-        if backend is not None and backend not in BACKENDS:
-            raise ValueError(f"{self.name}: backend={backend!r} is unknown; allowed: {', '.join(BACKENDS)} or None (= sdpa)")
-        super().__init__(backend, **params)
+    @classmethod
+    def check_params(cls, backend: Optional[str] = None) -> None:
+        _check_backend(cls.name, backend)
 
     def pieces(self, n: int, heads: int, *, offset: int, total: int) -> list[Piece]:
         """The calls that compute ``heads`` heads, heads ``[offset, offset + heads)`` of
@@ -107,6 +112,7 @@ class Causal(_Builtin):
     head_invariant = True
 
     def __init__(self, backend: Optional[str] = None) -> None:
+        self.check_params(backend)
         super().__init__(backend)
 
     def keys(self, h, i, n, num_heads) -> Keys:
@@ -130,8 +136,14 @@ class _Chunked(_Builtin):
     head_invariant = True
 
     def __init__(self, chunks: int = 4, backend: Optional[str] = None) -> None:
-        super().__init__(backend, chunks=check_int("chunks", chunks, self.name))
+        self.check_params(chunks, backend)
+        super().__init__(backend, chunks=chunks)
         self.chunks = chunks
+
+    @classmethod
+    def check_params(cls, chunks: int = 4, backend: Optional[str] = None) -> None:
+        check_int("chunks", chunks, cls.name)
+        super().check_params(backend)
 
     def sizes(self, n: int) -> tuple[int, int]:
         w = chunk_size(n, self.chunks)
@@ -267,8 +279,14 @@ class Dilated(_Builtin):
     name = "sda"
 
     def __init__(self, dilation: int = 2, backend: Optional[str] = None) -> None:
-        super().__init__(backend, dilation=check_int("dilation", dilation, self.name))
+        self.check_params(dilation, backend)
+        super().__init__(backend, dilation=dilation)
         self.dilation = dilation
+
+    @classmethod
+    def check_params(cls, dilation: int = 2, backend: Optional[str] = None) -> None:
+        check_int("dilation", dilation, cls.name)
+        super().check_params(backend)
 
     def workspace(self, n, heads, *, kv_heads, head_dim, dtype_bytes, kernel="fused") -> Workspace:
         """One causal call over each head's n / dilation rows, merged into the n-row output."""
@@ -303,38 +321,28 @@ PatternSpec = Union[str, Pattern, dict]
 
 
 class Mixed(_Builtin):
-    """Heads split in order among patterns: ``[(spec, share), ...]`` with shares summing to 1.
-    Sub-patterns see their own heads numbered from 0."""
+    """``mixed``: heads split in order among patterns, ``[(spec, share), ...]`` with shares
+    summing to 1. Sub-patterns see their own heads numbered from 0. The published patterns
+    below are mixes of this module's leaves."""
 
     name = "mixed"
+    head_rule = ""
 
-    def __init__(
-        self,
-        parts: Sequence[tuple[PatternSpec, float]],
-        backend: Optional[str] = None,
-        *,
-        name: str = "mixed",
-        head_multiple: int = 1,
-        head_rule: str = "",
-        **params: Any,
-    ) -> None:
-        self.name = name
-        self.head_multiple, self.head_rule = head_multiple, head_rule
-        if not parts:
-            raise ValueError(f"{name}: parts=[] must list at least one (pattern, share of heads)")
-        built, shares = [], []
-        for entry in parts:
-            if not (isinstance(entry, (tuple, list)) and len(entry) == 2):
-                raise ValueError(f"{name}: parts entry {entry!r} must be a (pattern, share of heads) pair")
-            spec, share = entry
-            if not isinstance(share, (int, float)) or not 0 < share <= 1:
-                raise ValueError(f"{name}: share={share!r} of {spec!r} must be a number in (0, 1]")
-            built.append(PATTERNS.build(spec))
-            shares.append(float(share))
-        if abs(sum(shares) - 1.0) > 1e-6:
-            raise ValueError(f"{name}: shares={shares} must sum to 1 (they sum to {sum(shares):g})")
-        super().__init__(backend, **(params or {"parts": [(repr(p), s) for p, s in zip(built, shares)]}))
-        self.parts = list(zip(built, shares))
+    def __init__(self, parts: Sequence[tuple[PatternSpec, float]], backend: Optional[str] = None) -> None:
+        self._mix(parts, backend)
+
+    @classmethod
+    def check_params(cls, parts: Sequence[tuple[PatternSpec, float]], backend: Optional[str] = None) -> None:
+        _check_mix(cls.name, parts, backend)
+
+    def _mix(self, parts: Sequence[tuple[PatternSpec, float]], backend: Optional[str],
+             shown: Optional[dict[str, Any]] = None) -> None:
+        """Check ``parts`` (as :meth:`check_params` does) and build them; ``shown``: the
+        parameters ``repr`` shows (default: the parts)."""
+        _check_mix(self.name, parts, backend)
+        built = [(PATTERNS.build(spec), float(share)) for spec, share in parts]
+        super().__init__(backend, **(shown or {"parts": [(repr(p), s) for p, s in built]}))
+        self.parts = built
 
     def split(self, num_heads: int) -> list[tuple[Pattern, int, int]]:
         spans, start = [], 0
@@ -424,47 +432,104 @@ def _kv_heads(k, v, *, start: int, end: int, groups: int, native: bool):
     return tuple(x[:, lo:hi].repeat_interleave(groups, dim=1)[:, start - lo * groups : end - lo * groups] for x in (k, v))
 
 
+def _check_mix(owner: str, parts: Any, backend: Optional[str]) -> None:
+    """What a mix refuses: no parts, an entry that is no (pattern, share) pair, a share out of
+    (0, 1], a part its registry would refuse (checked, not built), shares not summing to 1."""
+    if not parts:
+        raise ValueError(f"{owner}: parts=[] must list at least one (pattern, share of heads)")
+    shares = []
+    for entry in parts:
+        if not (isinstance(entry, (tuple, list)) and len(entry) == 2):
+            raise ValueError(f"{owner}: parts entry {entry!r} must be a (pattern, share of heads) pair")
+        spec, share = entry
+        if not isinstance(share, (int, float)) or not 0 < share <= 1:
+            raise ValueError(f"{owner}: share={share!r} of {spec!r} must be a number in (0, 1]")
+        PATTERNS.check_spec(spec)
+        shares.append(float(share))
+    if abs(sum(shares) - 1.0) > 1e-6:
+        raise ValueError(f"{owner}: shares={shares} must sum to 1 (they sum to {sum(shares):g})")
+    _check_backend(owner, backend)
+
+
 # --- the published patterns -----------------------------------------------------------------
 # Tagged "scca_table2": the patterns SCCA's Table 2 fine-tunes, which the experiment trains and
 # `sparse-ft bench train` times by default (PATTERNS.names(tag="scca_table2")). A selection, not
 # every sparse pattern: sda is LongMixed's component, not a row of the paper's table.
 
 
+class _ChunkMix(Mixed):
+    """A published pattern: a mix of leaves built from one parameter, ``chunks``, which is
+    checked as the leaf ``leaf`` checks it (so the message names that leaf, as building it would)."""
+
+    leaf: type[Pattern] = Local
+
+    def __init__(self, chunks: int = 4, backend: Optional[str] = None) -> None:
+        self.check_params(chunks, backend)
+        self._mix(self.leaves(chunks), backend, {"chunks": chunks})
+
+    @classmethod
+    def check_params(cls, chunks: int = 4, backend: Optional[str] = None) -> None:  # type: ignore[override]
+        cls.leaf.check_params(chunks=chunks)
+        _check_backend(cls.name, backend)
+
+    def leaves(self, chunks: int) -> list[tuple[Pattern, float]]:
+        raise NotImplementedError
+
+
 @register(tags=("scca_table2",))
-def s2(chunks: int = 4, backend: Optional[str] = None) -> Mixed:
+class S2(_ChunkMix):
     """LongLoRA S²: half the heads in chunks, half in chunks shifted by g."""
-    parts = [(Local(chunks), 0.5), (ShiftedChunks(chunks), 0.5)]
-    return Mixed(parts, backend, name="s2", head_multiple=2, head_rule="half the heads in chunks, half in shifted chunks",
-                 chunks=chunks)
+
+    name, head_multiple, head_rule = "s2", 2, "half the heads in chunks, half in shifted chunks"
+
+    def leaves(self, chunks):
+        return [(Local(chunks), 0.5), (ShiftedChunks(chunks), 0.5)]
 
 
 @register(tags=("scca_table2",))
-def scca_fixed(chunks: int = 4, backend: Optional[str] = None) -> Mixed:
+class SccaFixed(_ChunkMix):
     """SCCA fixed: heads [0, H/2) see keys rolled by g, heads [H/2, H) their own chunk."""
-    parts = [(RolledKeys(chunks), 0.5), (Local(chunks), 0.5)]
-    return Mixed(parts, backend, name="scca_fixed", head_multiple=2,
-                 head_rule="half the heads on shifted keys, half in chunks", chunks=chunks)
+
+    name, head_multiple, head_rule, leaf = "scca_fixed", 2, "half the heads on shifted keys, half in chunks", RolledKeys
+
+    def leaves(self, chunks):
+        return [(RolledKeys(chunks), 0.5), (Local(chunks), 0.5)]
 
 
 @register(tags=("scca_table2",))
-def scca_flow(chunks: int = 4, backend: Optional[str] = None) -> Mixed:
+class SccaFlow(_ChunkMix):
     """SCCA flow: ``chunks`` head groups, group k looks k chunks back, so across the heads every
     query chunk reaches each of the ``chunks`` chunks up to itself."""
-    check_int("chunks", chunks, "scca_flow", most=MAX_HEADS, why=HEADS_WHY)  # one head group per chunk, built below
-    parts = [(LaggedChunk(chunks, lag), 1.0 / chunks) for lag in range(chunks)]
-    rule = f"one group of num_heads/chunks heads per look-back 0..{chunks - 1}; lower chunks or change heads"
-    return Mixed(parts, backend, name="scca_flow", head_multiple=chunks, head_rule=rule, chunks=chunks)
+
+    name = "scca_flow"
+
+    @classmethod
+    def check_params(cls, chunks: int = 4, backend: Optional[str] = None) -> None:
+        check_int("chunks", chunks, cls.name, most=MAX_HEADS, why=HEADS_WHY)  # one head group per chunk, built below
+        _check_backend(cls.name, backend)
+
+    @property
+    def head_multiple(self) -> int:  # type: ignore[override]
+        return self.params["chunks"]
+
+    @property
+    def head_rule(self) -> str:  # type: ignore[override]
+        return f"one group of num_heads/chunks heads per look-back 0..{self.head_multiple - 1}; lower chunks or change heads"
+
+    def leaves(self, chunks):
+        return [(LaggedChunk(chunks, lag), 1.0 / chunks) for lag in range(chunks)]
 
 
 @register(tags=("scca_table2",))
-def longmixed(chunks: int = 4, backend: Optional[str] = None) -> Mixed:
+class LongMixed(_ChunkMix):
     """SCCA LongMixed: heads [H/4 | H/4 | H/2] = scca_fixed | sda θ=2 | sda θ=4
     (the paper's 8 / 8 / 16 of 32 heads)."""
-    parts = [(scca_fixed(chunks), 0.25), (Dilated(2), 0.25), (Dilated(4), 0.5)]
-    rule = "heads split H/4 | H/4 | H/2 into scca_fixed | sda 2 | sda 4, and scca_fixed halves its heads"
-    return Mixed(parts, backend, name="longmixed", head_multiple=8, head_rule=rule, chunks=chunks)
+
+    name, head_multiple, leaf = "longmixed", 8, SccaFixed
+    head_rule = "heads split H/4 | H/4 | H/2 into scca_fixed | sda 2 | sda 4, and scca_fixed halves its heads"
+
+    def leaves(self, chunks):
+        return [(SccaFixed(chunks), 0.25), (Dilated(2), 0.25), (Dilated(4), 0.5)]
 
 
-@register
-def mixed(parts: Sequence[tuple[PatternSpec, float]], backend: Optional[str] = None) -> Mixed:
-    return Mixed(parts, backend)
+register(Mixed)  # last: the order names are listed in

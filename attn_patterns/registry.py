@@ -5,10 +5,12 @@ methods in ``sparse_ft.methods``), filled where things are defined::
     class Causal(Pattern): name = "causal"
 
     @PATTERNS.register                 # a function: registered under its own name
-    def s2(chunks: int = 4, backend: str | None = None) -> Pattern: ...
+    def sink(window: int = 64) -> Pattern: ...
 
 A factory's keyword parameters are the parameters a user may pass: :meth:`Registry.get`
-checks names against its signature, so a typo in a recipe fails with the allowed list.
+checks names against its signature, so a typo in a recipe fails with the allowed list, and
+:meth:`Registry.check` also checks their values by the factory's class-level
+``check_params``, without building anything (a recipe stays data until the run builds it).
 A name is taken once: registering it again is refused (as PEFT and lm-evaluation-harness
 refuse theirs), so a second definition can never silently replace the one every recipe,
 ``--method`` and table reads. A name may carry tags (lm-evaluation-harness's task tags), the
@@ -98,6 +100,21 @@ class Registry(Generic[T]):
 
     def get(self, name: str, **params: Any) -> T:
         """Build ``name``; unknown names or parameters raise ValueError listing what exists."""
+        self._check_names(name, params)
+        return self._factories[name](**params)
+
+    def check(self, name: str, **params: Any) -> None:
+        """What :meth:`get` would refuse, without building anything: the parameter names
+        against the factory's signature, then their values by the factory's class-level
+        ``check_params(**params)`` where it has one (the classmethod its constructor calls
+        first, so a value is refused by one piece of code either way). A recipe stays data:
+        it is checked here, and built once, by the run."""
+        self._check_names(name, params)
+        check_params = getattr(self._factories[name], "check_params", None)
+        if check_params is not None:
+            check_params(**params)
+
+    def _check_names(self, name: str, params: dict[str, Any]) -> None:
         self.factory(name)
         allowed = self.parameters(name)
         unknown = sorted(set(params) - set(allowed))
@@ -106,14 +123,24 @@ class Registry(Generic[T]):
         missing = [p for p in self.required(name) if p not in params]
         if missing:
             raise ValueError(f"{name}: parameter(s) {', '.join(missing)} required (it has no default); allowed: {', '.join(allowed)}")
-        return self._factories[name](**params)
 
     def build(self, spec: Any) -> T:
         """From a name, a ``{"name": ..., **params}`` dict or a ready object."""
         if isinstance(spec, self.base):
             return spec
+        name, params = self._named(spec)
+        return self.get(name, **params)
+
+    def check_spec(self, spec: Any) -> None:
+        """What :meth:`build` would refuse, without building (:meth:`check`)."""
+        if not isinstance(spec, self.base):
+            name, params = self._named(spec)
+            self.check(name, **params)
+
+    def _named(self, spec: Any) -> tuple[str, dict[str, Any]]:
+        """A name or a ``{"name": ..., **params}`` dict as the name and its parameters."""
         if isinstance(spec, str):
-            return self.get(spec)
+            return spec, {}
         if isinstance(spec, dict) and "name" in spec:
-            return self.get(spec["name"], **{k: v for k, v in spec.items() if k != "name"})
+            return spec["name"], {k: v for k, v in spec.items() if k != "name"}
         raise ValueError(f"{self.kind} spec {spec!r} must be a name, a {{'name': ..., params}} dict or a {self.base.__name__}")

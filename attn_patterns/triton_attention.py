@@ -107,6 +107,12 @@ def tiles(q: torch.Tensor, period: Optional[int] = None) -> tuple[Tiles, Tiles, 
 def _tiles(q: torch.Tensor) -> tuple[Tiles, Tiles, Tiles]:
     if not q.is_cuda or INTERPRETED:
         return Tiles(16, 16, 4, 1), Tiles(16, 16, 4, 1), Tiles(16, 16, 4, 1)
+    return cuda_tiles(q)
+
+
+def cuda_tiles(q: torch.Tensor) -> tuple[Tiles, Tiles, Tiles]:
+    """The GPU's tiles for q's head dim and dtype (whatever q's device: tests/triton_ptx.py
+    compiles the GPU's launches on a machine without one)."""
     width = max(16, triton.next_power_of_2(q.shape[-1])) * q.element_size()  # bytes per row
     if width <= 128:
         return Tiles(128, 32, 4, 3), Tiles(128, 32, 4, 2), Tiles(32, 64, 4, 2)
@@ -180,6 +186,17 @@ def _fwd_block(acc, m_i, l_i, q, k_head, v_head, kb, start, dil, rows, lo, hi, s
 
 
 @triton.jit
+def _list(part: tl.constexpr, FULL_N, FULL_R, FULL_V, WIDTH_F, PART_N, PART_R, PART_V, WIDTH_P):
+    """One of a block's two run lists, picked at compile time: its counts, runs, query
+    variants and width (part 0: the FULL runs, unmasked; part 1: the PART runs, masked)."""
+    if part == 0:
+        count, runs, variants, width = FULL_N, FULL_R, FULL_V, WIDTH_F
+    else:
+        count, runs, variants, width = PART_N, PART_R, PART_V, WIDTH_P
+    return count, runs, variants, width
+
+
+@triton.jit
 def _query_block(STRIDE, START, ROWS, LO, HI, STEP, R, h, qb, offs_q, BLOCK_Q: tl.constexpr):
     """Query block ``qb`` of head ``h``, as the forward and dQ kernels both read it: the head's
     rows, dilation and start, the block's first position, which of its rows are real, and
@@ -223,22 +240,16 @@ def _fwd_kernel(Q, K, V, O, LSE,
     m_i = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_Q], dtype=tl.float32)
     entry = h * NQB + qb
-    for r in range(tl.load(FULL_N + entry)):
-        run = FULL_R + (entry * WIDTH_F + r) * 2
-        if VARIANTS > 1:  # the run's copy of q
-            q = _run_rows(q_block + tl.load(FULL_V + entry * WIDTH_F + r).to(tl.int64) * sq_v, offs_q, offs_d, dil * sq_n,
-                          rows - qb * BLOCK_Q)
-        for kb in range(tl.load(run), tl.load(run + 1) + 1):
-            acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_head, v_head, kb, start, dil, rows, lo, hi, step, sk_n, sv_n,
-                                       qk_scale, offs_k, offs_d, BLOCK_K, False, STEPPED, PRECISION)
-    for r in range(tl.load(PART_N + entry)):
-        run = PART_R + (entry * WIDTH_P + r) * 2
-        if VARIANTS > 1:
-            q = _run_rows(q_block + tl.load(PART_V + entry * WIDTH_P + r).to(tl.int64) * sq_v, offs_q, offs_d, dil * sq_n,
-                          rows - qb * BLOCK_Q)
-        for kb in range(tl.load(run), tl.load(run + 1) + 1):
-            acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_head, v_head, kb, start, dil, rows, lo, hi, step, sk_n, sv_n,
-                                       qk_scale, offs_k, offs_d, BLOCK_K, True, STEPPED, PRECISION)
+    for part in tl.static_range(2):  # the FULL runs, then the PART (masked) runs
+        count, runs, variants, width = _list(part, FULL_N, FULL_R, FULL_V, WIDTH_F, PART_N, PART_R, PART_V, WIDTH_P)
+        for r in range(tl.load(count + entry)):
+            run = runs + (entry * width + r) * 2
+            if VARIANTS > 1:  # the run's copy of q
+                q = _run_rows(q_block + tl.load(variants + entry * width + r).to(tl.int64) * sq_v, offs_q, offs_d,
+                              dil * sq_n, rows - qb * BLOCK_Q)
+            for kb in range(tl.load(run), tl.load(run + 1) + 1):
+                acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_head, v_head, kb, start, dil, rows, lo, hi, step, sk_n,
+                                           sv_n, qk_scale, offs_k, offs_d, BLOCK_K, part == 1, STEPPED, PRECISION)
     empty = l_i == 0.0  # rows that see no key: output 0, LSE +inf (so the backward's p is 0)
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     tl.store(O + b * so_b + h * so_h + first * so_n + (offs_q * (dil * so_n))[:, None] + offs_d[None, :],
@@ -323,34 +334,22 @@ def _dq_kernel(Q, K, V, DO, DQ, LSE, DELTA,
     v_head = V + b * sv_b + kvh * sv_h
     dq = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
     entry = h * NQB + qb
-    full_n = tl.load(FULL_N + entry)
-    held = tl.where(full_n > 0, tl.load(FULL_V + entry * WIDTH_F), tl.load(PART_V + entry * WIDTH_P))
-    for r in range(full_n):
-        run = FULL_R + (entry * WIDTH_F + r) * 2
-        if VARIANTS > 1:
-            var = tl.load(FULL_V + entry * WIDTH_F + r)
-            if var != held:
-                _add_rows(dq_block + held.to(tl.int64) * sdq_v, dq * sm_scale, offs_q, offs_d, dil * sdq_n,
-                          rows - qb * BLOCK_Q)
-                dq = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
-                held = var
-            q = _run_rows(q_block + var.to(tl.int64) * sq_v, offs_q, offs_d, dil * sq_n, rows - qb * BLOCK_Q)
-        for kb in range(tl.load(run), tl.load(run + 1) + 1):
-            dq = _dq_block(dq, q, do, lse, delta, k_head, v_head, kb, start, dil, rows, lo, hi, step, sk_n, sv_n,
-                           qk_scale, offs_k, offs_d, BLOCK_K, False, STEPPED, PRECISION)
-    for r in range(tl.load(PART_N + entry)):
-        run = PART_R + (entry * WIDTH_P + r) * 2
-        if VARIANTS > 1:
-            var = tl.load(PART_V + entry * WIDTH_P + r)
-            if var != held:
-                _add_rows(dq_block + held.to(tl.int64) * sdq_v, dq * sm_scale, offs_q, offs_d, dil * sdq_n,
-                          rows - qb * BLOCK_Q)
-                dq = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
-                held = var
-            q = _run_rows(q_block + var.to(tl.int64) * sq_v, offs_q, offs_d, dil * sq_n, rows - qb * BLOCK_Q)
-        for kb in range(tl.load(run), tl.load(run + 1) + 1):
-            dq = _dq_block(dq, q, do, lse, delta, k_head, v_head, kb, start, dil, rows, lo, hi, step, sk_n, sv_n,
-                           qk_scale, offs_k, offs_d, BLOCK_K, True, STEPPED, PRECISION)
+    held = tl.where(tl.load(FULL_N + entry) > 0, tl.load(FULL_V + entry * WIDTH_F), tl.load(PART_V + entry * WIDTH_P))
+    for part in tl.static_range(2):  # the FULL runs, then the PART (masked) runs
+        count, runs, variants, width = _list(part, FULL_N, FULL_R, FULL_V, WIDTH_F, PART_N, PART_R, PART_V, WIDTH_P)
+        for r in range(tl.load(count + entry)):
+            run = runs + (entry * width + r) * 2
+            if VARIANTS > 1:
+                var = tl.load(variants + entry * width + r)
+                if var != held:
+                    _add_rows(dq_block + held.to(tl.int64) * sdq_v, dq * sm_scale, offs_q, offs_d, dil * sdq_n,
+                              rows - qb * BLOCK_Q)
+                    dq = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
+                    held = var
+                q = _run_rows(q_block + var.to(tl.int64) * sq_v, offs_q, offs_d, dil * sq_n, rows - qb * BLOCK_Q)
+            for kb in range(tl.load(run), tl.load(run + 1) + 1):
+                dq = _dq_block(dq, q, do, lse, delta, k_head, v_head, kb, start, dil, rows, lo, hi, step, sk_n, sv_n,
+                               qk_scale, offs_k, offs_d, BLOCK_K, part == 1, STEPPED, PRECISION)
     if VARIANTS > 1:
         _add_rows(dq_block + held.to(tl.int64) * sdq_v, dq * sm_scale, offs_q, offs_d, dil * sdq_n, rows - qb * BLOCK_Q)
     else:
@@ -426,24 +425,17 @@ def _dkv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA,
         do_head = DO + b * sd_b + h * sd_h
         rowwise = (LSE + (b * H + h) * N, DELTA + (b * H + h) * N)
         entry = h * NKB + kb
-        for r in range(tl.load(FULL_N + entry)):
-            run = FULL_R + (entry * WIDTH_F + r) * 2
-            q_run = q_head
-            if VARIANTS > 1:
-                q_run = q_head + tl.load(FULL_V + entry * WIDTH_F + r).to(tl.int64) * sq_v
-            for qb in range(tl.load(run), tl.load(run + 1) + 1):
-                dk, dv = _dkv_block(dk, dv, k, v, q_run, do_head, rowwise, qb, t, start, dil, rows,
-                                    LO + h * R, HI + h * R, STEP + h * R, sq_n, sd_n, qk_scale, offs_q, offs_d,
-                                    BLOCK_Q, False, STEPPED, PRECISION)
-        for r in range(tl.load(PART_N + entry)):
-            run = PART_R + (entry * WIDTH_P + r) * 2
-            q_run = q_head
-            if VARIANTS > 1:
-                q_run = q_head + tl.load(PART_V + entry * WIDTH_P + r).to(tl.int64) * sq_v
-            for qb in range(tl.load(run), tl.load(run + 1) + 1):
-                dk, dv = _dkv_block(dk, dv, k, v, q_run, do_head, rowwise, qb, t, start, dil, rows,
-                                    LO + h * R, HI + h * R, STEP + h * R, sq_n, sd_n, qk_scale, offs_q, offs_d,
-                                    BLOCK_Q, True, STEPPED, PRECISION)
+        for part in tl.static_range(2):  # the FULL runs, then the PART (masked) runs
+            count, runs, variants, width = _list(part, FULL_N, FULL_R, FULL_V, WIDTH_F, PART_N, PART_R, PART_V, WIDTH_P)
+            for r in range(tl.load(count + entry)):
+                run = runs + (entry * width + r) * 2
+                q_run = q_head
+                if VARIANTS > 1:
+                    q_run = q_head + tl.load(variants + entry * width + r).to(tl.int64) * sq_v
+                for qb in range(tl.load(run), tl.load(run + 1) + 1):
+                    dk, dv = _dkv_block(dk, dv, k, v, q_run, do_head, rowwise, qb, t, start, dil, rows,
+                                        LO + h * R, HI + h * R, STEP + h * R, sq_n, sd_n, qk_scale, offs_q, offs_d,
+                                        BLOCK_Q, part == 1, STEPPED, PRECISION)
     out = tl.load(UNIT_OUT + u)
     tl.store(DK + b * sdk_b + out * sdk_h + first * sdk_n + (offs_k * (dil * sdk_n))[:, None] + offs_d[None, :],
              (dk * sm_scale).to(DK.dtype.element_ty), mask=io_mask)

@@ -17,7 +17,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output", type=Path, default=None, help="default: data/corpus/ctx<CONTEXT>")
     parser.add_argument("--context", type=int, default=256, help="tokens per training block")
-    parser.add_argument("--passkey-fraction", type=float, default=PASSKEY_FRACTION, help="share of blocks that start with a passkey document")
+    parser.add_argument("--passkey-fraction", type=float, default=PASSKEY_FRACTION,
+                        help="share of blocks that start with a passkey document")
     parser.add_argument("--val-percent", type=float, default=5.0, help="share of modules held out (by content hash)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()

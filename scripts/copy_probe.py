@@ -18,8 +18,8 @@ import random
 
 import torch
 
-from sparse_ft.data.passkey_docs import answer_ids
-from sparse_ft.data.passkey_prompt import build_prompt
+from sparse_ft.experiment.passkey_docs import answer_ids
+from sparse_ft.evaluation.passkey_prompt import build_prompt
 from sparse_ft.evaluation import loading
 from sparse_ft.experiment.pretrain import ASSET_DIR
 

@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sparse_ft.modeling.attention import use_attention  # noqa: E402
+from sparse_ft.modeling.attention import install_method  # noqa: E402
 from sparse_ft.methods import Method, get  # noqa: E402
 
 C = 64  # pretraining length (original_max_position_embeddings) of the tiny models
@@ -147,10 +147,10 @@ def agreement(variant: str, n: int, base: Optional[str] = None, **params: Any) -
     else:  # byte-level vocabulary: 3 special ids, then the 256 bytes
         data = (Path(__file__).read_bytes() * (1 + n // 1000))[:n]
         ids = torch.tensor([[b + 3 for b in data]])
-    use_attention(model, SourceDCA(variant, s, w, c, model.model.rotary_emb.inv_freq))
+    install_method(model, SourceDCA(variant, s, w, c, model.model.rotary_emb.inv_freq))
     want = model(input_ids=ids).logits.double()
     ours = get("dca", **params) if variant == "qwen" else get("dca", variant=variant, **params)
-    use_attention(model, ours)
+    install_method(model, ours)
     return float((model(input_ids=ids).logits.double() - want).abs().max())
 
 

@@ -18,7 +18,7 @@ def use_attention(model: Any, spec: Any, **params: Any) -> Any:
     from sparse_ft import methods
     from sparse_ft.modeling import attention
 
-    return attention.use_attention(model, methods.resolve(spec, "pattern", **params))
+    return attention.install_method(model, methods.as_method(spec, "pattern", **params))
 
 
 def load(adapter_dir: Any, base: Any = None, **kwargs: Any) -> Any:

@@ -22,7 +22,7 @@ COMMANDS = {
     "train": "sparse_ft.train.cli",
     "eval": "sparse_ft.evaluation.cli",
     "generate": "sparse_ft.evaluation.generate",
-    "merge": "sparse_ft.modeling.merge",
+    "merge": "sparse_ft.merge",
     "pretrain": "sparse_ft.experiment.pretrain",
     "experiment": "sparse_ft.experiment.run",
     "bench": "sparse_ft.bench.cli",

@@ -83,7 +83,7 @@ def test_eval_stops_at_its_first_forward_through_another_attention(tmp_path, mon
     from sparse_ft.cli import main
     from sparse_ft.methods import base
 
-    monkeypatch.setattr(base, "use_attention", lambda model, method: switched(use_attention(model, method)))
+    monkeypatch.setattr(base, "install_method", lambda model, method: switched(use_attention(model, method)))
     data, out = tmp_path / "d.jsonl", tmp_path / "ppl.json"
     data.write_text("".join(json.dumps({"text": f"document {i} " * 30}) + "\n" for i in range(4)))
     argv = ["eval", "ppl", "--model", "tiny", "--data", str(data), "--lengths", "64", "--method", "s2", "--output", str(out)]
@@ -104,7 +104,7 @@ def test_generate_stops_at_its_first_forward_through_another_attention(tmp_path,
     assert main(argv) == 0  # the control: the method installed runs
     capsys.readouterr()
     out.unlink()
-    monkeypatch.setattr(base, "use_attention", lambda model, method: switched(use_attention(model, method)))
+    monkeypatch.setattr(base, "install_method", lambda model, method: switched(use_attention(model, method)))
     assert main(argv) == 2
     captured = capsys.readouterr()
     assert "Traceback" not in captured.err and captured.out == "" and not out.exists()

@@ -274,10 +274,10 @@ def test_the_installer_takes_ready_methods_and_names_resolve_with_the_methods():
 
     model = build("llama")
     with pytest.raises(ValueError, match=r"installs a ready method.*sparse_ft.use_attention\(model, name, \*\*params\)"):
-        attention.use_attention(model, "s2")
+        attention.install_method(model, "s2")
     with pytest.raises(ValueError, match=r"use its method: sparse_ft.methods.get\('dca', ...\)"):
         use_attention(model, attn_patterns.get_algorithm("dca"))
-    assert current_method(attention.use_attention(model, methods.get("s2"))).name == "s2"
+    assert current_method(attention.install_method(model, methods.get("s2"))).name == "s2"
 
 
 def test_errors_name_the_problem():

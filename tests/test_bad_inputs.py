@@ -110,9 +110,11 @@ CASES = {
         ["model.target_length=1000000000000"], None,
         r"recipe key model.target_length=1000000000000 is invalid: at most 16,777,216 tokens \(RoPE positions are float32"),
     "target length of 31 digits": (
-        [f"model.target_length={10**30}"], None, r"model.target_length=1000000000000000000000000000000 is invalid: at most 16,777,216"),
+        [f"model.target_length={10**30}"], None,
+        r"model.target_length=1000000000000000000000000000000 is invalid: at most 16,777,216"),
     "target length whose RoPE factor is past the limit": (
-        ["model.target_length=1000000000000", "data.seq_len=512"], None, r"model.target_length=1000000000000 is invalid: at most 16,777,216"),
+        ["model.target_length=1000000000000", "data.seq_len=512"], None,
+        r"model.target_length=1000000000000 is invalid: at most 16,777,216"),
     "RoPE factor past the limit": (
         ["model.target_length=1000000", "data.seq_len=512"], None,
         r"recipe key model.target_length=1000000 is invalid: RoPE factor 3,906.25 \(the model's pretraining context of 256 tokens "
@@ -238,7 +240,8 @@ CASES = {
         r"recipe key attention.backend='flash' is invalid: flash-attn computes in float16/bfloat16 only and model.dtype is float32"),
     "flash where flash-attn cannot run": (
         ["attention.backend=flash", "model.dtype=bfloat16"], None,
-        r"recipe key attention.backend='flash' is invalid: flash-attn cannot run here \(it needs the flash-attn package and a CUDA device\)"),
+        r"recipe key attention.backend='flash' is invalid: flash-attn cannot run here "
+        r"\(it needs the flash-attn package and a CUDA device\)"),
     "missing local model path": (
         ["model.name_or_path=DATA/no-model"], None,
         r"recipe key model.name_or_path='.*/no-model' is invalid: no such local directory \(a Hub model is named like"),
@@ -282,13 +285,15 @@ CASES = {
         ["data.format=sharegpt"], None, r"recipe key data.format='sharegpt' is invalid: allowed: text, chat, instruction$"),
     "chat row without an assistant turn": (
         ["data.source=DATA", "data.format=chat", CHAT_TEMPLATE], jsonl(CHAT_LINE.replace("assistant", "user") + "\n"),
-        r"data.source .*/docs.jsonl line 1: no assistant turn; the loss trains on assistant turns alone, so a chat row needs at least one$"),
+        r"data.source .*/docs.jsonl line 1: no assistant turn; the loss trains on assistant turns alone, "
+        r"so a chat row needs at least one$"),
     "chat row with an unknown role": (
         ["data.source=DATA", "data.format=chat", CHAT_TEMPLATE], jsonl(CHAT_LINE + "\n" + CHAT_LINE.replace("user", "human") + "\n"),
         r"data.source .*/docs.jsonl line 2: message 0 has role 'human'; allowed: system, user, assistant, tool$"),
     "chat row without messages": (
         ["data.source=DATA", "data.format=chat", CHAT_TEMPLATE], jsonl(TINY_LINE + "\n"),
-        r"data.source .*/docs.jsonl line 1: a chat row holds 'messages', a non-empty list of \{role, content\} objects; this row's keys: text$"),
+        r"data.source .*/docs.jsonl line 1: a chat row holds 'messages', a non-empty list of \{role, content\} objects; "
+        r"this row's keys: text$"),
     "chat template the tokenizer lacks": (
         ["data.source=DATA", "data.format=chat"], jsonl(CHAT_LINE + "\n"),
         r"^train.py: error: data.chat_template is not set and the model's tokenizer has no chat template: set data.chat_template"),
@@ -385,6 +390,9 @@ CASES = {
     "flash-attn named as a pattern parameter": (
         ["attention.params.backend=flash"], None,
         r"recipe key attention.params.backend='flash' is invalid: flash-attn cannot run here"),
+    "backend named twice, as attention.backend and a pattern parameter": (
+        ["attention.backend=auto", "attention.params.backend=sdpa"], None,
+        r"attention.params: attention.backend='auto' and attention.params.backend='sdpa' both choose the kernel; set one"),
     "tiny model without a context": (
         ["model.tiny.max_position_embeddings=0"], None,
         r"recipe key model.tiny=\{'max_position_embeddings': 0\} is invalid: its max_position_embeddings=0: extending the "
@@ -506,13 +514,25 @@ def test_an_alias_bomb_is_refused_at_once(tmp_path):
 
 def test_a_validation_failing_mid_training_saves_its_step_and_ends_in_one_line(tmp_path, monkeypatch, capsys, train_main):
     """What no check foresees (here a task running out of memory at step 1 of 3, checkpoints
-    every 4): the step's checkpoint is saved, then one line and exit 1, no adapter."""
+    every 4): the step's checkpoint is saved, then one line and exit 1, no adapter. On the way,
+    the recipe's pattern is built once for the whole run (checked, not built, when it loads)."""
+    import functools
+
+    from attn_patterns.patterns import SccaFlow
     from sparse_ft.evaluation.tasks.passkey import Passkey
 
     def out_of_memory(*args, **kwargs):
         raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB\nsee the allocator's documentation")
 
+    built, init = [], SccaFlow.__init__
+
+    @functools.wraps(init)  # the signature the registry checks names against stays the class's
+    def counted(self, *args, **kwargs):
+        built.append(kwargs)
+        init(self, *args, **kwargs)
+
     monkeypatch.setattr(Passkey, "evaluate", out_of_memory)
+    monkeypatch.setattr(SccaFlow, "__init__", counted)
     out = tmp_path / "run"
     monkeypatch.setattr(sys, "argv", argv(out, tmp_path / "cache", "train.max_steps=3", "train.save_steps=4",
                                           "validation.every_steps=1", "validation.tasks=[passkey]", "validation.lengths=[300]",
@@ -526,6 +546,7 @@ def test_a_validation_failing_mid_training_saves_its_step_and_ends_in_one_line(t
                          "validation keys and resume with the same command"), err
     assert sum("error" in line for line in lines) == 1
     assert (out / "checkpoint-1" / "meta.json").is_file() and not (out / "adapter").exists()
+    assert built == [{"chunks": 4}]  # the tiny recipe's scca_flow, once per run
 
 
 @pytest.mark.slow
@@ -535,7 +556,8 @@ def test_the_command_line_exits_2_without_a_traceback(tmp_path):
     done = subprocess.run([sys.executable, *argv(out, tmp_path / "cache", f"data.source={empty}")], cwd=ROOT,
                           capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 2 and "Traceback" not in done.stderr
-    assert done.stderr.strip().splitlines()[-1] == f"train.py: error: data.source {empty}: no documents (empty, or no row with a 'text' value)"
+    assert done.stderr.strip().splitlines()[-1] == (f"train.py: error: data.source {empty}: "
+                                                    "no documents (empty, or no row with a 'text' value)")
     assert not out.exists()
 
 
@@ -690,7 +712,8 @@ CLI_CASES = {
         ["plan", "recipe=tiny", "model.name_or_path=meta-llama/Llama-3.1-8B", "model.target_length=1100000"], None,
         r"model.target_length=1100000 is invalid: RoPE factor 67\.1387 \(the model's pretraining context of 8,192 tokens"),
     "eval of a window past float32 positions": (
-        [*EVAL[:-1], "1000000000000", "--model", "BASE"], None, r"--lengths 1000000000000: at most 16,777,216 tokens \(RoPE positions are float32"),
+        [*EVAL[:-1], "1000000000000", "--model", "BASE"], None,
+        r"--lengths 1000000000000: at most 16,777,216 tokens \(RoPE positions are float32"),
     "eval of pattern chunks of 400 digits": (
         [*PPL, "--method", "s2", "--method-arg", f"chunks={'1' * 400}"], None,
         r"local: chunks=111111\.\.\. \(400 digits\) must be an integer <= 16,777,216"),
@@ -747,7 +770,8 @@ CLI_CASES = {
         ["merge", "--adapter", "ADAPTER", "--output", "OUT/m", "--method-arg", "chunk_size=64"], None,
         r"--method-arg and --context-length go with --method dca"),
     "an adapter directory as --model": (
-        [*EVAL, "--model", "ADAPTER"], None, r"--model .* is an adapter directory \(adapter_config.json\), not a model: pass it as --adapter"),
+        [*EVAL, "--model", "ADAPTER"], None,
+        r"--model .* is an adapter directory \(adapter_config.json\), not a model: pass it as --adapter"),
     "merge into a base that does not exist": (
         ["merge", "--adapter", "ADAPTER", "--base", "OUT/none", "--output", "OUT/m"], None, r"--base .*/none: no such directory"),
     "merge into a Hub base that cannot be reached": (
@@ -815,6 +839,9 @@ CLI_CASES = {
         ["bench", "dca", *BENCH, "--device", "cuda"], None, r"bench dca: --device 'cuda': torch sees no CUDA device here"),
     "bench eval on CUDA without CUDA": (
         ["bench", "eval", *BENCH, "--device", "cuda"], None, r"bench eval: --device 'cuda': torch sees no CUDA device here"),
+    "bench dca with an unknown LongHeads backend": (
+        ["bench", "dca", *BENCH, "--longheads-backend", "cuda"], None,
+        r"bench dca: --longheads-backend='cuda' is unknown; allowed: sdpa, efficient, flash, flex, math, triton"),
     "bench on a device that is none": (
         ["bench", "attention", *BENCH, "--device", "gpu0"], None, r"bench attention: --device 'gpu0' is not a device"),
     "bench on the auto device": (
@@ -825,8 +852,10 @@ CLI_CASES = {
         ["bench", "attention", *BENCH, "--output", "TEXT/x.json"], None, r"bench attention: --output .*/t.txt/x.json: cannot write in"),
     "bench pattern missing a required parameter": (
         ["bench", "attention", *BENCH, "--patterns", "mixed"], None, r"mixed: parameter\(s\) parts required"),
-    "bench without patterns": (["bench", "attention", *BENCH, "--patterns", ","], None, r"bench attention: --patterns=',' names no pattern"),
-    "bench eval of one-token windows": (["bench", "eval", *BENCH, "--lengths", "1"], None, r"bench eval: --lengths 1: a window needs >= 2 tokens"),
+    "bench without patterns": (["bench", "attention", *BENCH, "--patterns", ","], None,
+                               r"bench attention: --patterns=',' names no pattern"),
+    "bench eval of one-token windows": (["bench", "eval", *BENCH, "--lengths", "1"], None,
+                                        r"bench eval: --lengths 1: a window needs >= 2 tokens"),
 }
 
 

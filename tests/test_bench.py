@@ -256,14 +256,14 @@ def test_out_of_memory_is_recorded_and_the_sweep_goes_on():
 
 def test_bench_train_records_full_attention_oom(tmp_path, monkeypatch, capsys):
     """Full attention at 32k may not fit: its row says OOM, the patterns keep their numbers."""
-    real = train_step.use_attention
+    real = train_step.install_method
 
     def full_runs_out(net, method):
         if method.name == "full":
             _oom()
         return real(net, method)
 
-    monkeypatch.setattr(train_step, "use_attention", full_runs_out)
+    monkeypatch.setattr(train_step, "install_method", full_runs_out)
     out = tmp_path / "train.json"
     assert main(["bench", "train", "--lengths", "32", "--patterns", "s2", "--repeats", "1", "--warmup", "0",
                  "--output", str(out)]) == 0
@@ -286,7 +286,8 @@ def test_bench_keeps_the_rows_measured_before_a_stop(tmp_path):
         bench_cli._sweep(args, "title", rows(), lambda done: f"{len(done)} rows", payload={"machine": "m"})
     payload = json.loads((tmp_path / "x.json").read_text())
     assert payload["complete"] is False and payload["results"] == [{"seq_len": 1}]
-    assert (tmp_path / "x.md").read_text() == "title\n\nCommand: `sparse-ft bench x`\n\n1 rows\n\n<!-- sparse_ft_output: sparse-ft bench x -->\n"
+    assert (tmp_path / "x.md").read_text() == ("title\n\nCommand: `sparse-ft bench x`\n\n1 rows\n\n"
+                                                "<!-- sparse_ft_output: sparse-ft bench x -->\n")
 
 
 @pytest.mark.parametrize("longheads", [False, True])

@@ -127,7 +127,8 @@ def test_merge_refuses_outputs_that_would_lose_files(adapter, tmp_path, capsys):
     theirs.mkdir()
     (theirs / "notes.txt").write_text("keep")
     (tmp_path / "file").write_text("")
-    cases = [(tmp_path / "file" / "merged", "cannot write in"), (adapter, "overlaps --adapter"), (adapter / "merged", "overlaps --adapter"), (adapter.parent, "overlaps --adapter"),
+    cases = [(tmp_path / "file" / "merged", "cannot write in"), (adapter, "overlaps --adapter"), (adapter / "merged", "overlaps --adapter"),
+             (adapter.parent, "overlaps --adapter"),
              (adapter.parent.parent / "base", "overlaps the base model"), (theirs, "not empty and was not written by sparse-ft")]
     for output, message in cases:
         assert main(["merge", "--adapter", str(adapter), "--output", str(output)]) == 2

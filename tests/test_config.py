@@ -174,7 +174,8 @@ def test_deepspeed_config_is_filled_from_the_recipe(tmp_path):
         ({"scheduler": {"type": "WarmupDecayLR", "params": {}}}, r"sets 'scheduler': the scheduler is the recipe's"),
         ({"optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}, r"sets 'optimizer': the optimizer is the recipe's \(AdamW with train.lr"),
         ({"gradient_accumulation_steps": 8}, r"sets gradient_accumulation_steps=8 but the recipe says 2; write \"auto\""),
-        ({"train_batch_size": 64}, r"sets train_batch_size=64 but per_device_batch_size 1 × gradient_accumulation_steps 2 × 2 data-parallel processes = 4"),
+        ({"train_batch_size": 64},
+         r"sets train_batch_size=64 but per_device_batch_size 1 × gradient_accumulation_steps 2 × 2 data-parallel processes = 4"),
         ({"fp16": {"enabled": True}}, r"model.dtype='float32' is invalid: deepspeed config .* trains in float16"),
     ],
 )

@@ -36,7 +36,8 @@ def test_a_run_prints_its_summary_and_with_v_the_whole_recipe(tmp_path, capsys):
             f"train.output_dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path / 'cache'}"]
     assert main(argv) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith("recipe tiny: tiny (random weights) (float32) extended to 512 tokens") and out[-1].startswith("adapter saved to")
+    assert (out[0].startswith("recipe tiny: tiny (random weights) (float32) extended to 512 tokens")
+            and out[-1].startswith("adapter saved to"))
     assert out[5:7] == ["model:", "  name_or_path: tiny"] and "  gradient_accumulation_steps: 2" in out
 
 
@@ -98,7 +99,7 @@ def test_progress_bars_name_the_row_they_run_for(capsys):
     import numpy as np
 
     from sparse_ft import methods
-    from sparse_ft.evaluation.ppl import evaluate_length
+    from sparse_ft.evaluation.window_perplexity import evaluate_length
     from sparse_ft.modeling.tiny import tiny_llama
 
     assert console.bar_label("ppl @ 64") == "ppl @ 64"

@@ -4,8 +4,8 @@ import random
 import pytest
 
 from sparse_ft.experiment.corpus import build_corpus, is_validation, load_blocks
-from sparse_ft.data.passkey_docs import passkey_document
-from sparse_ft.data.passkey_prompt import QUESTION, build_prompt, needle
+from sparse_ft.experiment.passkey_docs import passkey_document
+from sparse_ft.evaluation.passkey_prompt import QUESTION, build_prompt, needle
 from sparse_ft.data.stdlib_text import iter_stdlib_documents
 from sparse_ft.evaluation.tokens import load_tokens
 from sparse_ft.modeling.tiny import tiny_tokenizer

@@ -142,7 +142,8 @@ def test_tiny_recipe_corpus_builds_and_a_cut_cache_is_rebuilt_whole(tmp_path, ca
 
 @pytest.mark.parametrize("damage, said", [
     (lambda tokens, meta: tokens.unlink(), "the tokens file is missing"),
-    (lambda tokens, meta: tokens.write_bytes(bytes(tokens.stat().st_size)), r"its sha256 differs from the one recorded \(the file was overwritten\)"),
+    (lambda tokens, meta: tokens.write_bytes(bytes(tokens.stat().st_size)),
+     r"its sha256 differs from the one recorded \(the file was overwritten\)"),
     (lambda tokens, meta: meta.write_text(meta.read_text()[:20]), r"its record \w+.json is not valid JSON"),
     (lambda tokens, meta: meta.write_text(json.dumps({"tokens": 3})), r"its record \w+.json lacks bytes, sha256"),
 ])

@@ -10,8 +10,8 @@ import torch
 
 from sparse_ft.cli import main
 from sparse_ft import methods
-from sparse_ft.data import passkey_prompt
-from sparse_ft.evaluation import passkey, ppl
+from sparse_ft.evaluation import passkey_prompt, window_perplexity
+from sparse_ft.evaluation.tasks import passkey
 from sparse_ft.evaluation.scoring import window_nll
 from sparse_ft.evaluation.windows import Window, plan
 from sparse_ft.modeling.tiny import tiny_llama, tiny_tokenizer
@@ -66,7 +66,7 @@ def test_perplexity_matches_hand_computation():
     tokens = np.array([3, 1, 4, 1, 5, 9, 2, 6, 5, 3])
     nll = lambda ts: [t / 10 + log_z for t in ts]  # noqa: E731
     # standard: each of tokens[1:] scored once
-    got = ppl.evaluate_length(model, tokens, 4, 2, scoring="standard", method=methods.get("full"))
+    got = window_perplexity.evaluate_length(model, tokens, 4, 2, scoring="standard", method=methods.get("full"))
     assert got["tokens"] == 9
     assert got["ppl"] == pytest.approx(math.exp(sum(nll(tokens[1:])) / 9), rel=1e-6)
     # by hand: exp(mean NLL of 1,4,1,5,9,2,6,5,3) = exp(0.4 + log Z)
@@ -74,11 +74,11 @@ def test_perplexity_matches_hand_computation():
     # longlora: windows [0,4) and [2,6) with targets tokens[1:4] = 1,4,1 and tokens[3:6] = 1,5,9;
     # mean of window means = (0.2 + 0.5) / 2 = 0.35, plus log Z
     for batch_size in (1, 2):
-        got = ppl.evaluate_length(model, tokens, 4, 2, scoring="longlora", method=methods.get("full"),
+        got = window_perplexity.evaluate_length(model, tokens, 4, 2, scoring="longlora", method=methods.get("full"),
                                   batch_size=batch_size)
         assert got["tokens"] == 6 and got["ppl"] == pytest.approx(math.exp(0.35 + log_z), rel=1e-6)
     # standard with a stride that leaves a short last window: [0,4) [3,7) [6,10) score 3+3+3
-    got = ppl.evaluate_length(model, tokens, 4, 3, scoring="standard", method=methods.get("full"), batch_size=2)
+    got = window_perplexity.evaluate_length(model, tokens, 4, 3, scoring="standard", method=methods.get("full"), batch_size=2)
     assert got["tokens"] == 9 and got["ppl"] == pytest.approx(math.exp(0.4 + log_z), rel=1e-6)
 
 
@@ -189,7 +189,7 @@ def check_quantised_ppl(tmp_path, device: str, shape: str):
     results = {}
     for flag in ("fp32", "load_in_4bit", "load_in_8bit"):
         loaded, _ = loading.load(str(tmp_path / "m"), device=device, **({} if flag == "fp32" else {flag: True}))
-        results[flag] = ppl.evaluate_length(loaded, tokens, 128, 64, scoring="standard",
+        results[flag] = window_perplexity.evaluate_length(loaded, tokens, 128, 64, scoring="standard",
                                             method=methods.get("full"))["ppl"]
         if flag == "load_in_4bit":  # NF4 with double quantisation really ran, not an fp32 fallback
             kept = unquantised_layers(loaded)

@@ -384,7 +384,8 @@ def test_a_change_the_recipe_allows_resumes(tmp_path, common, reference, capsys)
 
 @pytest.mark.parametrize("extra, message", [
     (["train.overwrite_output_dir=true"], "train.overwrite_output_dir=True is invalid: only applies with train.resume=never"),
-    (["train.resume_allow_changes=[train.output_dir]"], "train.resume_allow_changes=['train.output_dir'] is invalid: entries allowed: model."),
+    (["train.resume_allow_changes=[train.output_dir]"],
+     "train.resume_allow_changes=['train.output_dir'] is invalid: entries allowed: model."),
 ])
 def test_the_new_keys_are_checked_when_the_recipe_loads(extra, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):

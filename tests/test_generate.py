@@ -13,8 +13,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from sparse_ft import methods, use_attention
 from sparse_ft.cli import main
-from sparse_ft.data.passkey_prompt import leading_specials, token_ids
-from sparse_ft.evaluation.generate import one_line
+from sparse_ft.evaluation.generate import escape_line_breaks
+from sparse_ft.evaluation.prompt_tokens import leading_specials, token_ids
 from sparse_ft.modeling import rope
 
 BASE = Path(__file__).resolve().parents[1] / "assets" / "tiny-base"
@@ -66,7 +66,7 @@ def test_a_padded_batch_gives_each_prompt_what_it_gets_alone(model, tokenizer, c
     out = tmp_path / "out.jsonl"
     flags = [f"--method-arg={k}={v}" for k, v in params.items()]
     assert generate(capsys, "--method", name, *flags, "--batch-size", "2", "--output", str(out), *PROMPTS) == \
-        [one_line(text) for text in alone]
+        [escape_line_breaks(text) for text in alone]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["completion"] for r in rows] == alone and [r["prompt"] for r in rows] == PROMPTS
     assert [r["prompt_tokens"] for r in rows] == lengths and rows[0]["sparse_ft_output"] == "sparse-ft generate"
@@ -116,7 +116,7 @@ def test_an_adapter_loads_through_evals_path_with_its_rope(tmp_path, model, toke
     expected = [reference(by_hand, tokenizer, prompt) for prompt in PROMPTS]
     assert expected != [reference(model, tokenizer, prompt) for prompt in PROMPTS]  # the adapter is at work
     assert main(["generate", "--adapter", str(adapter), "--max-new-tokens", str(NEW), *PROMPTS]) == 0
-    assert capsys.readouterr().out.removesuffix("\n").split("\n") == [one_line(text) for text in expected]
+    assert capsys.readouterr().out.removesuffix("\n").split("\n") == [escape_line_breaks(text) for text in expected]
 
 
 def test_parallelcomp_answers_a_prompt_about_its_context(tmp_path, capsys):

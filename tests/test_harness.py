@@ -15,14 +15,14 @@ import torch
 
 from sparse_ft import methods
 from sparse_ft.cli import main
-from sparse_ft.data.passkey_prompt import token_ids
-from sparse_ft.evaluation import harness_lm, loading
+from sparse_ft.evaluation.prompt_tokens import token_ids
+from sparse_ft.evaluation import loading, method_hflm
 from sparse_ft.evaluation.tasks import harness
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = str(ROOT / "assets" / "tiny-base")
 CONTEXT = 256  # the tiny base's
-METHODS = {"full": {}, "s2": {}, "dca": {"chunk_size": 32, "local_window": 8}}
+METHOD_PARAMS = {"full": {}, "s2": {}, "dca": {"chunk_size": 32, "local_window": 8}}
 DOCS = [
     {"code": "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n    return a",
      "choices": [" * b", " / b", " + 1"], "gold": 0},
@@ -67,7 +67,7 @@ def task_dir(tmp_path_factory):
 def loaded(name: str, adapter=None):
     """The tiny base (with ``adapter``) attending through the method ``name``."""
     model, tokenizer = loading.load(BASE, adapter, device="cpu")
-    method = methods.get(name, **METHODS[name])
+    method = methods.get(name, **METHOD_PARAMS[name])
     method.apply(model, CONTEXT)
     return model, tokenizer, method
 
@@ -122,7 +122,7 @@ def test_the_harness_scores_and_answers_through_the_method(name, task_dir):
     from lm_eval.tasks import TaskManager
 
     model, tokenizer, method = loaded(name)
-    results = harness_lm.evaluate(model, tokenizer, method, tasks=list(TASKS), log_samples=True, max_length=CONTEXT,
+    results = method_hflm.evaluate(model, tokenizer, method, tasks=list(TASKS), log_samples=True, max_length=CONTEXT,
                                   task_manager=TaskManager(include_path=str(task_dir), include_defaults=False))
     samples = {task: sorted(results["samples"][task], key=lambda s: s["doc_id"]) for task in TASKS}
     mine = [loglikelihood(model, tokenizer, d["code"], d["choices"][d["gold"]]) for d in DOCS]

@@ -102,8 +102,6 @@ def test_attend_call_rows_and_small_steps_match_reference(keep_previous, l, hkv,
 def test_many_chunks_and_tiles_match_reference():
     """Beyond the window for most rows (k·l = 12 of 150 tokens, 4 query heads on 1 KV head),
     so pairs share chunks across heads and rows and are cut into several tiles per chunk."""
-    from attn_patterns import longheads
-
     l, k_chunks, n = 4, 3, 150
     q_raw, k_raw, v = _qkv(n, b=1, hkv=1, seed=11)
     pos = torch.arange(n)
@@ -276,12 +274,12 @@ def test_out_of_sync_cache_is_an_error(long_model):
 
 def test_passkey_through_evaluation_path():
     from sparse_ft import methods
-    from sparse_ft.evaluation import passkey
+    from sparse_ft.evaluation.tasks.passkey import Passkey
     from sparse_ft.modeling.tiny import tiny_tokenizer
 
     method = methods.get("longheads", chunk_size=32, chunks=4)
     model = tiny_llama()
-    cells = passkey.evaluate(model, tiny_tokenizer(), lengths=[400], depths=[0.5], trials=1, method=method)
+    cells = Passkey([400], [0.5], trials=1).evaluate(model, tiny_tokenizer(), method)
     assert cells[0]["prompt_tokens"] > 256  # beyond the tiny model's pretraining length
 
 

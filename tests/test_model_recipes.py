@@ -82,7 +82,7 @@ def test_each_recipe_has_its_plan_committed(stem, k):
 
 def test_llama3_scaling_is_left_as_it_is_within_its_window():
     """Llama-3.1's llama3 scaling (128k) at 64k: factor 1, nothing to compose, whatever the method."""
-    for method in rope.METHODS:
+    for method in rope.SCALINGS:
         config = _config("meta-llama/Llama-3.1-8B")
         before = rope.rope_parameters(config)
         assert rope.extend_to(config, 65536, method) == before and config.max_position_embeddings == 131072

@@ -267,7 +267,8 @@ def test_a_run_replaces_only_its_own_files_and_only_when_told(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert f"train.overwrite_output_dir: deleted adapter, train_summary.json, adapter_probe.safetensors from {out}" in printed
     after = state(tmp_path)
-    assert after["run/notes.txt"] == before["run/notes.txt"] and after["run/checkpoint-best/meta.json"] == before["run/checkpoint-best/meta.json"]
+    assert (after["run/notes.txt"] == before["run/notes.txt"]
+            and after["run/checkpoint-best/meta.json"] == before["run/checkpoint-best/meta.json"])
     assert written_by(out) == "sparse-ft train" and (out / "checkpoint-2").is_dir()
 
 

@@ -132,12 +132,12 @@ def test_validation(model):
 
 
 def test_passkey_end_to_end_on_tiny_model(model, tok):
-    from sparse_ft.evaluation import passkey
+    from sparse_ft.evaluation.tasks.passkey import Passkey
     from sparse_ft.methods import Method
 
     method = pc.ParallelComp(keep_chunks=1, batch_chunks=2)
     assert isinstance(method, Method) and not method.supports.ppl and "perplexity" in method.supports.no_ppl_reason
-    cells = passkey.evaluate(model, tok, lengths=[600], depths=[0.5], trials=1, method=method)
+    cells = Passkey([600], [0.5], trials=1).evaluate(model, tok, method)
     assert cells[0]["prompt_tokens"] > 256 and 0.0 <= cells[0]["accuracy"] <= 1.0
 
 

@@ -99,11 +99,11 @@ def test_committed_checkpoint_retrieves_a_passkey_inside_its_window():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from sparse_ft import methods
-    from sparse_ft.evaluation import passkey
+    from sparse_ft.evaluation.tasks.passkey import Passkey
 
     model = AutoModelForCausalLM.from_pretrained(ASSET_DIR).eval()
     tok = AutoTokenizer.from_pretrained(ASSET_DIR)
-    cells = passkey.evaluate(model, tok, [248], [0.0, 0.5, 1.0], trials=3, method=methods.get("full"), seed=1)
+    cells = Passkey([248], [0.0, 0.5, 1.0], trials=3, seed=1).evaluate(model, tok, methods.get("full"))
     assert cells[-1]["depth"] == 1.0 and cells[-1]["accuracy"] == 1.0, cells[-1]["outputs"]
     assert sum(c["accuracy"] for c in cells) / len(cells) >= 0.7, [c["outputs"] for c in cells]
 

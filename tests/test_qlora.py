@@ -89,7 +89,7 @@ def test_pretraining_a_quantized_base_is_refused(tmp_path):
     import numpy as np
 
     from sparse_ft.config import load_recipe
-    from sparse_ft.config.schema import BadInput
+    from sparse_ft.config.bad_input import BadInput
     from sparse_ft.train.pretrainer import Pretrainer
 
     recipe = load_recipe("tiny", overrides(tmp_path / "run", tmp_path / "cache", "model.quantization=nf4", "deepspeed=null"))
@@ -165,7 +165,7 @@ def test_zero3_partitions_the_4bit_weights_and_gathers_them_exactly(tmp_path):
 
 def test_nf4_under_zero3_is_refused_by_name_where_4bit_storage_is_not_float(monkeypatch):
     from sparse_ft.config import load_recipe
-    from sparse_ft.config.schema import BadInput
+    from sparse_ft.config.bad_input import BadInput
     from sparse_ft.modeling import quantization
 
     assert quantization.float_storage_refused() is None  # the locked versions support it

@@ -35,7 +35,7 @@ def test_the_shipped_registries_refuse_their_own_names():
     class Shadow(attn_patterns.Pattern):
         name = "s2"
 
-    with pytest.raises(ValueError, match=r"pattern name 's2' is already taken by attn_patterns\.patterns\.s2; .*Shadow"):
+    with pytest.raises(ValueError, match=r"pattern name 's2' is already taken by attn_patterns\.patterns\.S2; .*Shadow"):
         attn_patterns.register(Shadow)
 
     class Impostor(methods.Method):

@@ -75,12 +75,12 @@ def test_bad_values_name_the_problem():
 
 def test_one_table_names_the_rope_methods():
     """Recipes, the experiment's --rope-method and the training-free pi / ntk / yarn all read
-    rope.METHODS: together the training-free methods write every kind in it, and none else."""
+    rope.SCALINGS: together the training-free methods write every kind in it, and none else."""
     from sparse_ft import methods
     from sparse_ft.config.schema import CHOICES
     from sparse_ft.methods.rope_scaling import RopeScaling
 
     free = map(methods.get, methods.names(lambda supports: not supports.training))
     scalings = [m for m in free if isinstance(m, RopeScaling)]
-    assert sorted(m.kind for m in scalings) == sorted(rope.METHODS)
-    assert CHOICES["model.rope_method"] == tuple(rope.METHODS)
+    assert sorted(m.kind for m in scalings) == sorted(rope.SCALINGS)
+    assert CHOICES["model.rope_method"] == tuple(rope.SCALINGS)

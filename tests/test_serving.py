@@ -116,7 +116,7 @@ def test_merge_exports_the_dca_config_the_engines_read(tmp_path):
     from transformers import AutoConfig
 
     from sparse_ft.methods.dca import DualChunk
-    from sparse_ft.modeling.merge import merge
+    from sparse_ft.merge import merge
 
     adapter = _tiny_qwen2_adapter(tmp_path, {"rope_type": "default", "rope_theta": 10000.0})
     merge(str(adapter), tmp_path / "merged", method="dca", method_args={"chunk_size": 256, "local_window": 8},
@@ -135,7 +135,7 @@ def test_merge_exports_the_dca_config_the_engines_read(tmp_path):
      "backend cannot be exported"),
 ])
 def test_a_dca_export_the_engines_would_serve_otherwise_is_refused(tmp_path, rope_parameters, kwargs, said):
-    from sparse_ft.modeling.merge import merge
+    from sparse_ft.merge import merge
 
     adapter = _tiny_qwen2_adapter(tmp_path, rope_parameters)
     with pytest.raises(ValueError, match=said):

@@ -10,7 +10,7 @@ import re
 import pytest
 
 from sparse_ft.cli import main
-from sparse_ft.data.passkey_prompt import token_ids
+from sparse_ft.evaluation.prompt_tokens import token_ids
 from sparse_ft.evaluation import tasks
 from sparse_ft.evaluation.effective_length import means_by_length, summarise
 from sparse_ft.evaluation.tasks.generation import (GenerationTask, Sample, postprocess, split_template, string_match_all,
@@ -123,8 +123,8 @@ def test_templates_follow_ruler(tokenizer):
 
 def test_no_word_to_find_is_in_a_template():
     """string_match_all counts substrings: an answer that echoes the prompt must not score."""
-    from sparse_ft.data.passkey_prompt import FILLER
-    from sparse_ft.data.words import single_words
+    from sparse_ft.evaluation.passkey_prompt import FILLER
+    from sparse_ft.evaluation.words import single_words
     from sparse_ft.evaluation.tasks import common_words, frequent_words, niah, variable_tracking
 
     prose = " ".join([niah.TEMPLATE, niah.NEEDLE, variable_tracking.TEMPLATE, common_words.TEMPLATE,

@@ -43,8 +43,8 @@ def test_passkey_and_the_shortest_ruler_prompts_at_256(committed):
     """The passkey prompt fits C = 256 with room for filler; of RULER's tasks with their
     generation budgets, niah_single_2 and fwe fit at 256 (the others need 260-928 tokens:
     docs/experiment.md)."""
-    from sparse_ft.data.passkey_prompt import shortest_prompt
-    from sparse_ft.evaluation.passkey import keys
+    from sparse_ft.evaluation.passkey_prompt import shortest_prompt
+    from sparse_ft.evaluation.tasks.passkey import keys
     from sparse_ft.evaluation.tasks.ruler import Ruler
 
     assert shortest_prompt(committed, keys(5, 0)) <= 128

@@ -22,6 +22,7 @@ from sparse_ft.config import load_recipe
 from sparse_ft.modeling.model_io import load_adapter_model
 from sparse_ft.train import checkpoint
 from sparse_ft.train.checkpoint import complete_checkpoints, find_resume
+from sparse_ft.train.cli import parse_argv
 from sparse_ft.train.distributed import init_distributed
 from sparse_ft.train.trainer import train
 
@@ -40,7 +41,8 @@ def test_single_process_run_composes_rope_and_saves_a_complete_adapter(reference
     assert (out / "recipe.resolved.yaml").is_file()
     # nothing pickled: checkpoints are safetensors + JSON
     assert complete_checkpoints(out) == [2, 4, 6, 8]  # the last step's too
-    assert {p.suffix for p in (out / "checkpoint-4").iterdir()} == {".safetensors", ".json", ".md"}  # .md: the model card (sparse_ft.train.model_card)
+    # .md: the model card (sparse_ft.train.model_card)
+    assert {p.suffix for p in (out / "checkpoint-4").iterdir()} == {".safetensors", ".json", ".md"}
     ckpt = json.loads((out / "checkpoint-4" / "meta.json").read_text())
     assert ckpt["data"]["micro_batches"] == 4 * 2 and len(ckpt["history"]) == 4 and ckpt["optimizer_steps"] == 4
     assert (ckpt["data"]["epoch"], ckpt["data"]["consumed"]) == (0, 4 * 2)  # 8 samples of epoch 0's order
@@ -153,7 +155,6 @@ def test_plain_torch_refuses_a_multi_process_launch(monkeypatch):
                                   ["recipe=tiny", "--local-rank=1", "a.b=1"]])
 def test_train_py_tolerates_the_launchers_local_rank(argv, monkeypatch):
     monkeypatch.delenv("LOCAL_RANK", raising=False)
-    parse_argv = runpy.run_path(str(ROOT / "train.py"))["parse_argv"]
     assert parse_argv(argv) == ("tiny", ["a.b=1"])
     assert os.environ["LOCAL_RANK"] == "1"
 
@@ -185,7 +186,8 @@ def test_every_checkpoint_is_an_adapter_that_eval_and_merge_take(tmp_path, refer
     from sparse_ft.modeling.model_io import read_meta
 
     out = reference[0]
-    last, final = load_file(str(out / "checkpoint-8" / "adapter_model.safetensors")), load_file(str(out / "adapter" / "adapter_model.safetensors"))
+    last = load_file(str(out / "checkpoint-8" / "adapter_model.safetensors"))
+    final = load_file(str(out / "adapter" / "adapter_model.safetensors"))
     assert last.keys() == final.keys() and all(torch.equal(last[k], final[k]) for k in final)
     assert read_meta(out / "checkpoint-4") == read_meta(out / "adapter")
     text = tmp_path / "text.txt"

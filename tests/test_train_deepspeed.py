@@ -11,7 +11,6 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -36,7 +35,8 @@ def free_port() -> int:
 
 def command(out: Path, cache: Path, *extra: str, gpus: int = 2) -> list[str]:
     """``deepspeed --num_gpus GPUS train.py recipe=tiny ...``: CPU ranks on gloo without CUDA."""
-    return [*DEEPSPEED, "--num_gpus", str(gpus), "--master_port", str(free_port()), "train.py", "recipe=tiny", "attention.pattern=scca_flow",
+    return [*DEEPSPEED, "--num_gpus", str(gpus), "--master_port", str(free_port()), "train.py", "recipe=tiny",
+            "attention.pattern=scca_flow",
             "train.max_steps=4", "train.save_steps=2", *overrides(out, cache), *extra]
 
 

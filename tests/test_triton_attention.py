@@ -9,6 +9,11 @@ file stays fast; bf16 is checked on a GPU only (the interpreter's bf16 ``tl.dot`
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -256,7 +261,7 @@ def test_rule_only_pattern_is_refused_in_one_line():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="refused only where no GPU is")
 def test_recipe_backend_triton_is_refused_before_the_model_loads(monkeypatch):
     from sparse_ft.config import load_recipe
-    from sparse_ft.config.schema import BadInput
+    from sparse_ft.config.bad_input import BadInput
     from sparse_ft.train.model_setup import training_method
     from sparse_ft.train.preflight import check_model
 
@@ -334,3 +339,15 @@ def test_eval_refuses_triton_off_cuda_before_the_model_loads(method, tmp_path, m
     assert main(argv) == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]  # after the data's progress bar
     assert "backend='triton' cannot run here: it needs CUDA tensors" in last and last.endswith("or use sdpa")
+
+
+def test_kernels_compile_to_ptx_as_launched():
+    """The compiled form, which the interpreter never builds: every kernel launch the wrappers
+    make (patterns, stepped rows, DCA's query copies, LongHeads; forward and backward; the GPU's tiles)
+    compiles to sm_90 PTX (tests/triton_ptx.py, in a process without the interpreter)."""
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    script = Path(__file__).with_name("triton_ptx.py")
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert ({"_fwd_kernel", "_delta_kernel", "_dq_kernel", "_dkv_kernel", "_chosen_kernel"}
+            <= {line.split()[0] for line in done.stdout.splitlines()})

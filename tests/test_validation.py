@@ -129,7 +129,7 @@ def test_a_ruler_task_validates_through_the_suite_and_the_model_is_left_training
 
 
 def test_held_out_data_or_a_prompt_longer_than_the_validation_length_is_one_line(held_out):
-    from sparse_ft.config.schema import BadInput
+    from sparse_ft.config.bad_input import BadInput
     from sparse_ft.modeling.tiny import tiny_tokenizer
     from sparse_ft.train.model_setup import training_method
     from sparse_ft.train.validation import Validation

@@ -29,7 +29,7 @@ import attn_patterns
 from attn_patterns.kernels import sdpa
 from sparse_ft.bench import dense_kernel
 from sparse_ft.bench.dense_kernel import DenseKernel
-from sparse_ft.bench.machine import DTYPES, cell, interleaved, ratio
+from sparse_ft.bench.machine import bench_dtype, cell, interleaved, ratio
 
 # FlexAttention compiles one kernel per (pattern, length, grad mode); a sweep needs more than
 # torch's default of 8 recompilations, past which it would silently run unfused.
@@ -114,7 +114,7 @@ def run(
     for n, h, d in tqdm(configs, desc="bench attention", unit="size"):
         hk = kv_heads or h
         gen = torch.Generator(device=dev).manual_seed(0)
-        make = lambda heads_: torch.randn(1, heads_, n, d, generator=gen, device=dev, dtype=DTYPES[dtype], requires_grad=True)  # noqa: E731
+        make = lambda heads_: torch.randn(1, heads_, n, d, generator=gen, device=dev, dtype=bench_dtype(dtype), requires_grad=True)  # noqa: E731
         q, k, v = make(h), make(hk), make(hk)
         kernel = dense_kernel.find(_step(_dense, q, k, v), dev, sdpa_backend)
         pin = kernel.pin if kernel else (lambda fn, pieces=False: fn)

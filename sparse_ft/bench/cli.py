@@ -18,7 +18,6 @@ from sparse_ft.files.outputs import OUTPUT_FIELD, atomic_file, markdown_marker
 from sparse_ft.modeling.dtypes import SHORT_NAMES
 
 HELP = "benchmarks against the dense baseline"
-DTYPES = list(SHORT_NAMES)
 # attn_patterns.kernels.BACKENDS for the help texts (a test checks they agree); a backend itself is
 # checked by the patterns' own resolve_backend.
 BACKENDS = "sdpa, flash, flex, triton"
@@ -42,7 +41,7 @@ def _ints(text: str) -> list[int]:
 def _common(p: argparse.ArgumentParser, lengths: str, repeats: int) -> None:
     """The flags every benchmark takes."""
     p.add_argument("--lengths", default=lengths, help="sequence lengths (comma list)")
-    p.add_argument("--dtype", choices=DTYPES, default=None, help="default: bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--dtype", choices=list(SHORT_NAMES), default=None, help="default: bf16 on CUDA, fp32 on CPU")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--warmup", type=int, default=1, help="unmeasured rounds first")
     p.add_argument("--repeats", type=int, default=repeats,
@@ -75,7 +74,8 @@ def configure(bench: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default: as many as query heads)")
     p.add_argument("--head-dims", default="64", help="head dimensions (comma list)")
     _sdpa_backend(p)
-    p.add_argument("--quick", action="store_true", help="N in {2k, 4k}, H=8, D=64, 2 repeats (overrides those flags): a quick CPU check, marked as too few repeats")
+    p.add_argument("--quick", action="store_true",
+                   help="N in {2k, 4k}, H=8, D=64, 2 repeats (overrides those flags): a quick CPU check, marked as too few repeats")
     p.set_defaults(func=main)
     t = which.add_parser("train", help="tokens/s and peak memory of a LoRA+ training step per pattern vs full attention")
     _common(t, "2048,4096,8192", REPEATS["train"])
@@ -94,6 +94,9 @@ def configure(bench: argparse.ArgumentParser) -> None:
     d.add_argument("--head-dim", type=int, default=64, help="head dimension")
     d.add_argument("--pretraining-length", type=int, default=4096, help="c (Llama-2: 4096); s = 3c/4, w = c - s")
     d.add_argument("--longheads", action="store_true", help="also LongHeads on the same q, k, v (its throughput vs DCA's)")
+    d.add_argument("--longheads-backend", default=None,
+                   help="LongHeads' kernel, one of attn_patterns.kernels.LSE_BACKENDS (implies --longheads; default: "
+                        "automatic, the torch path; triton: its one-kernel path, CUDA only)")
     _sdpa_backend(d)
     d.set_defaults(func=main_dca)
     e = which.add_parser("eval", help="sliding-window PPL tokens/s of a 4-bit NF4 model vs the same model unquantised")
@@ -178,14 +181,14 @@ def _backends(text: str, device: Any, dtype: str, flag: str, *, head_dim: int = 
     import torch
 
     from attn_patterns.kernels import resolve_backend
-    from sparse_ft.bench.machine import DTYPES as TORCH_DTYPES
+    from sparse_ft.bench.machine import bench_dtype
 
     backends = [b for b in text.split(",") if b]
     if not backends:
         raise ValueError(f"{flag}={text!r} names no backend")
     if "flex" in backends and device.type != "cuda":
         raise ValueError(f"{flag} flex needs CUDA (torch has no FlexAttention backward on CPU)")
-    probe = torch.empty(1, 1, 1, head_dim, device=device, dtype=TORCH_DTYPES[dtype])
+    probe = torch.empty(1, 1, 1, head_dim, device=device, dtype=bench_dtype(dtype))
     for backend in backends:
         try:
             resolve_backend(backend, probe)
@@ -260,26 +263,35 @@ def main_train(args: argparse.Namespace) -> int:
 
 
 def main_dca(args: argparse.Namespace) -> int:
-    from attn_patterns.dca import resolve
+    from attn_patterns.dca import dca_sizes
     from sparse_ft.bench import dca
 
     device, dtype, lengths = _setup(args, "dca")
     if min(args.heads, args.kv_heads, args.head_dim) < 1 or args.heads % args.kv_heads or args.head_dim % 2:
         raise ValueError(f"bench dca: --heads={args.heads} must be a multiple of --kv-heads={args.kv_heads} and "
                          f"--head-dim={args.head_dim} a positive even number")
-    s, w, c = resolve(args.pretraining_length)
+    from attn_patterns.kernels import LSE_BACKENDS
+
+    if args.longheads_backend not in (None, *LSE_BACKENDS):
+        raise ValueError(f"bench dca: --longheads-backend={args.longheads_backend!r} is unknown; allowed: "
+                         f"{', '.join(LSE_BACKENDS)}")
+    s, w, c = dca_sizes(args.pretraining_length)
     machine = _machine(device, args)
     memory = dca.PEAK_MEMORY.get(device.type, "not measured")
     title = (f"DCA prefill vs causal SDPA, {dtype}, H={args.heads}/{args.kv_heads}, D={args.head_dim}, c={c}, s={s}, "
              f"w={w}, {_rounds(args)}, on {machine['machine']}. SDPA kernel: {_kernel_note(args)}, pinned for the "
              f"baseline and DCA (DCA's fused ops, named below, are called directly; LongHeads runs unpinned: its "
-             f"chunk representations are an fp32 call). Ratios of the medians (and of the mins); TFLOP/s: 4·pairs·D over the causal pairs at the median. "
+             f"chunk representations are an fp32 call; LongHeads' backend: {args.longheads_backend or 'automatic'}). "
+             "Ratios of the medians (and of the mins); TFLOP/s: 4·pairs·D over the causal pairs at the median. "
              f"Peak memory: {memory}")
-    rows = dca.run(lengths, args.heads, args.kv_heads, args.head_dim, pretraining_length=c, longheads=args.longheads, dtype=dtype,
-                   device=str(device), warmup=args.warmup, repeats=args.repeats, sdpa_backend=_pinned(args))
+    longheads = args.longheads or args.longheads_backend is not None
+    rows = dca.run(lengths, args.heads, args.kv_heads, args.head_dim, pretraining_length=c, longheads=longheads,
+                   longheads_backend=args.longheads_backend, dtype=dtype, device=str(device), warmup=args.warmup,
+                   repeats=args.repeats, sdpa_backend=_pinned(args))
     return _sweep(args, title, rows, dca.markdown,
                   payload={**machine, "dtype": dtype, "heads": args.heads,
-                   "kv_heads": args.kv_heads, "head_dim": args.head_dim, "pretraining_length": c, "longheads": args.longheads,
+                   "kv_heads": args.kv_heads, "head_dim": args.head_dim, "pretraining_length": c, "longheads": longheads,
+                   "longheads_backend": args.longheads_backend,
                    "sdpa_backend": args.sdpa_backend, "peak_memory": memory})
 
 

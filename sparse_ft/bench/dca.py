@@ -26,11 +26,11 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import attn_patterns
-from attn_patterns.dca import dca_attention, resolve
+from attn_patterns.dca import dca_attention, dca_sizes
 from attn_patterns.longheads import LongHeads
 from attn_patterns.rotary import default_inv_freq, rotate
 from sparse_ft.bench import dense_kernel
-from sparse_ft.bench.machine import DTYPES, cell, interleaved, ratio
+from sparse_ft.bench.machine import bench_dtype, cell, interleaved, ratio
 
 PEAK_MEMORY = {"cuda": "growth of torch.cuda.max_memory_allocated over one call above its inputs",
                "cpu": "growth of the process's resident-set high-water mark (VmHWM) over one call above its inputs"}
@@ -41,27 +41,31 @@ def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 
 def run(lengths: Iterable[int], heads: int = 8, kv_heads: int = 2, head_dim: int = 64, *,
-        pretraining_length: int = 4096, longheads: bool = False,
+        pretraining_length: int = 4096, longheads: bool = False, longheads_backend: Optional[str] = None,
         dtype: str = "fp32", device: str = "cpu", warmup: int = 1, repeats: int = 5,
         sdpa_backend: Optional[str] = None) -> Iterator[dict]:
     """One row per length; ``memory_exponent`` is the log-log slope of DCA's peak memory
     against N since the previous length (1 = linear, 2 = quadratic). ``sdpa_backend`` (a key of
     ``dense_kernel.BACKENDS``) pins that backend instead of the one SDPA picks."""
     dev = torch.device(device)
-    s, w, c = resolve(pretraining_length)
+    s, w, c = dca_sizes(pretraining_length)
     inv_freq = default_inv_freq(head_dim).to(dev)
     previous: Optional[tuple[int, float]] = None
     for n in tqdm(list(lengths), desc="dca prefill", unit="length"):
         g = torch.Generator(device=dev).manual_seed(n)
-        make = lambda h: torch.randn(1, h, n, head_dim, generator=g, device=dev, dtype=DTYPES[dtype])  # noqa: E731
+
+        def make(h: int) -> torch.Tensor:
+            return torch.randn(1, h, n, head_dim, generator=g, device=dev, dtype=bench_dtype(dtype))
+
         q, k, v = make(heads), make(kv_heads), make(kv_heads)
         pos = torch.arange(n, device=dev)
         q, k = rotate(q, pos, inv_freq), rotate(k, pos, inv_freq)  # as transformers hands them over
-        runs = {"dense": lambda: _causal(q, k, v),
-                "dca": lambda: dca_attention(q, k, v, inv_freq=inv_freq, chunk_size=s, local_window=w, pretraining_length=c)}
+        # F821 off on these lines: ruff checks the lambdas after the ``del q, k, v`` below, which no call follows
+        runs = {"dense": lambda: _causal(q, k, v),  # noqa: F821
+                "dca": lambda: dca_attention(q, k, v, inv_freq=inv_freq, chunk_size=s, local_window=w, pretraining_length=c)}  # noqa: F821
         if longheads:
             runs["longheads"] = lambda: LongHeads(chunk_size=min(256, c // 16), pretraining_length=c).attend(
-                q, k, v, inv_freq=inv_freq)
+                q, k, v, inv_freq=inv_freq, backend=longheads_backend)  # noqa: F821
         with torch.inference_mode():
             kernel = dense_kernel.find(runs["dense"], dev, sdpa_backend)
             pin = kernel.pin if kernel else (lambda fn: fn)

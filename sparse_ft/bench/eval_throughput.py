@@ -16,16 +16,17 @@ import torch
 
 from sparse_ft import methods
 from sparse_ft.bench import models
-from sparse_ft.bench.machine import DTYPE_NAMES, DTYPES, cell, interleaved
+from sparse_ft.bench.machine import bench_dtype, cell, interleaved
 from sparse_ft.evaluation import loading
-from sparse_ft.evaluation.ppl import evaluate_length
+from sparse_ft.evaluation.window_perplexity import evaluate_length
+from sparse_ft.modeling.dtypes import SHORT_NAMES
 from sparse_ft.modeling.quantization import unquantised_layers
 
 KINDS = ("unquantised", "nf4")
 
 
 def _load(path: str, dtype: str, device: str, nf4: bool):
-    model, _ = loading.load(path, dtype=DTYPE_NAMES[dtype], load_in_4bit=nf4, compute_dtype=DTYPE_NAMES[dtype],
+    model, _ = loading.load(path, dtype=SHORT_NAMES[dtype], load_in_4bit=nf4, compute_dtype=SHORT_NAMES[dtype],
                             device=device, tokenizer=False)
     return model
 
@@ -38,7 +39,7 @@ def run(lengths: Iterable[int], model: str = "tiny", dtype: str = "fp32", device
     lengths = list(lengths)
     full = methods.get("full")
     with tempfile.TemporaryDirectory(prefix="sparse-ft-bench-eval-") as path:
-        base = models.build(model, max(lengths), dev, DTYPES[dtype])
+        base = models.build(model, max(lengths), dev, bench_dtype(dtype))
         base.save_pretrained(path)
         del base
         if dev.type == "cuda":

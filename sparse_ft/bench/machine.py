@@ -17,10 +17,14 @@ from typing import Callable, Hashable, Iterator, Optional
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from sparse_ft.modeling.dtypes import SHORT_NAMES as DTYPE_NAMES  # the benchmarks' --dtype values -> recipe names
-from sparse_ft.modeling.dtypes import torch_dtype
+from sparse_ft.modeling.devices import default_device
+from sparse_ft.modeling.dtypes import SHORT_NAMES, torch_dtype
 
-DTYPES = {short: torch_dtype(name) for short, name in DTYPE_NAMES.items()}
+
+
+def bench_dtype(short: str) -> torch.dtype:
+    """A benchmark's ``--dtype`` (the short name, ``bf16``) as a torch dtype."""
+    return torch_dtype(SHORT_NAMES[short])
 
 
 def _cpu_name() -> str:
@@ -33,7 +37,11 @@ def _cpu_name() -> str:
         return cpu
 
 
-def describe(device: torch.device) -> str:
+def describe(device: Optional[torch.device] = None) -> str:
+    """The machine a number was measured on, in one line, as every benchmark, the experiment
+    and pretraining record it: the GPU, else the CPU and its torch threads, and torch's
+    version. None: the device this process computes on (CUDA where there is one)."""
+    device = torch.device(default_device()) if device is None else device
     if device.type == "cuda":
         return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
     return f"{_cpu_name()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"

@@ -33,10 +33,11 @@ from tqdm import tqdm
 
 import attn_patterns
 from sparse_ft import methods
-from sparse_ft.modeling.attention import IMPLEMENTATION, pretrained, use_attention
+from sparse_ft.modeling.attention import IMPLEMENTATION, install_method, pretrained
 from sparse_ft.bench import models
-from sparse_ft.bench.machine import DTYPE_NAMES, DTYPES, CallPeak, Timing, cell, interleaved, ratio
+from sparse_ft.bench.machine import CallPeak, Timing, bench_dtype, cell, interleaved, ratio
 from sparse_ft.config import LoraSection
+from sparse_ft.modeling.dtypes import SHORT_NAMES
 from sparse_ft.train.model_setup import add_adapters
 
 NO_ATTENTION = "no attention"
@@ -95,10 +96,10 @@ def trained_methods(patterns: Iterable[str], backend: Optional[str], dtype: str)
     """``full`` (the model's own attention, the baseline a user would train with) first, then
     each pattern on ``backend``, built as a recipe builds them (bad names, and a backend a
     pattern cannot run, fail here, before any model is built)."""
-    chosen = {"full": methods.for_training("full", {}, None, DTYPE_NAMES[dtype])[0]}
+    chosen = {"full": methods.for_training("full", {}, None, SHORT_NAMES[dtype])[0]}
     for name in patterns:
         if name != "full":
-            chosen[name] = methods.for_training(name, {}, backend, DTYPE_NAMES[dtype])[0]
+            chosen[name] = methods.for_training(name, {}, backend, SHORT_NAMES[dtype])[0]
     return chosen
 
 
@@ -131,7 +132,7 @@ def run(lengths: Iterable[int], patterns: Iterable[str], device: str = "cpu", dt
     dev = torch.device(device)
     lengths = list(lengths)
     chosen = trained_methods(patterns, backend, dtype)
-    net = models.build(model, max(lengths), dev, DTYPES[dtype])
+    net = models.build(model, max(lengths), dev, bench_dtype(dtype))
     net = add_adapters(net, LoraSection(), chosen["full"], gradient_checkpointing).train()
     vocab, heads = models.vocab_size(model), models.config(model, max(lengths)).num_attention_heads
     runs = {"full": chosen.pop("full"), NO_ATTENTION: NoAttention(), **chosen}
@@ -144,7 +145,7 @@ def run(lengths: Iterable[int], patterns: Iterable[str], device: str = "cpu", dt
 
             def step(name: str, method) -> Callable[[], None]:
                 def run_step() -> None:
-                    use_attention(net, method)
+                    install_method(net, method)
                     own.start()
                     net(input_ids=ids, labels=ids).loss.backward()
                     net.zero_grad(set_to_none=True)  # every run starts with the same memory held

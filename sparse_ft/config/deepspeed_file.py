@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from sparse_ft.config.paths import DS_CONFIG_DIR
-from sparse_ft.config.strict import json_value
+from sparse_ft.files.strict import json_value
 from sparse_ft.modeling.dtypes import DTYPES
 
 # DeepSpeed keys the recipe owns: a config may leave them "auto" or repeat the recipe's value.

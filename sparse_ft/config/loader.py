@@ -22,10 +22,11 @@ from typing import Any
 
 import yaml
 
-from sparse_ft.config.keyvalue import parse_assignments
+from sparse_ft.files.keyvalue import parse_assignments
 from sparse_ft.config.paths import RECIPE_DIRS, REPO_ROOT
-from sparse_ft.config.schema import Recipe, fail, validate
-from sparse_ft.config.strict import yaml_value
+from sparse_ft.config.bad_input import fail
+from sparse_ft.config.schema import Recipe, validate
+from sparse_ft.files.strict import yaml_value
 from sparse_ft.modeling.tiny import BUILT_IN, display_name
 from sparse_ft.files.outputs import atomic_file
 
@@ -82,7 +83,8 @@ def _layer(base: dict, over: dict) -> dict:
     a layer that changes ``attention.pattern`` starts from that pattern's defaults: it keeps
     only the ``attention.params`` it gives itself."""
     base_att, over_att = base.get("attention"), over.get("attention")
-    if isinstance(base_att, dict) and isinstance(over_att, dict) and over_att.get("pattern", base_att.get("pattern")) != base_att.get("pattern"):
+    if (isinstance(base_att, dict) and isinstance(over_att, dict)
+            and over_att.get("pattern", base_att.get("pattern")) != base_att.get("pattern")):
         base = {**base, "attention": {k: v for k, v in base_att.items() if k != "params"}}
     return _merge(base, over)
 

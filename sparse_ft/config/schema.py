@@ -9,12 +9,13 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn, Optional
+from typing import Any, Optional
 
 from sparse_ft.files.outputs import file_in_the_way
+from sparse_ft.config.bad_input import BadInput, fail, one_line
 from sparse_ft.config.deepspeed_file import RECIPE_OWNED, is_auto, precision, read_deepspeed_config
-from sparse_ft.modeling.dtypes import NAMES as DTYPE_NAMES
-from sparse_ft.modeling.rope import METHODS as ROPE_METHODS
+from sparse_ft.modeling import dtypes
+from sparse_ft.modeling.rope import SCALINGS
 from sparse_ft.modeling.tiny import BUILT_IN, is_built_in
 
 
@@ -148,8 +149,8 @@ class Recipe:
 
 
 CHOICES = {
-    "model.dtype": DTYPE_NAMES,
-    "model.rope_method": tuple(ROPE_METHODS),
+    "model.dtype": dtypes.NAMES,
+    "model.rope_method": tuple(SCALINGS),
     "model.quantization": ("none", "nf4"),
     "train.loss": ("chunked", "model"),
     "attention.backend": (None, "auto", "sdpa", "flash", "flex", "triton"),
@@ -172,29 +173,13 @@ RESUME_KEYS = ("model.name_or_path", "model.dtype", "model.quantization", "model
                "attention.pattern", "attention.params", "attention.backend",
                "lora.r", "lora.alpha", "lora.dropout", "lora.target_modules", "lora.extra_trainable",
                "data.source", "data.split", "data.text_column", "data.min_tokens", "data.seq_len", "data.streaming",
-               "data.max_documents", "data.packing", "data.format", "data.chat_template", "train.seed", "train.lr", "train.betas", "train.weight_decay", "train.weight_decay_on",
+               "data.max_documents", "data.packing", "data.format", "data.chat_template",
+               "train.seed", "train.lr", "train.betas", "train.weight_decay", "train.weight_decay_on",
                "train.scheduler", "train.min_lr_ratio", "train.warmup_steps", "train.max_steps", "train.num_epochs",
                "train.per_device_batch_size", "train.gradient_accumulation_steps", "train.sequence_parallel_size",
                "train.max_grad_norm")
 # not a recipe key: the number of processes a checkpoint was written by, which a resume may also be allowed to change
 WORLD_SIZE = "world_size"
-
-
-class BadInput(ValueError):
-    """A recipe value or input file the run cannot use, found before anything loaded or was
-    written: train.py prints its one line and exits 2, where any other error keeps its
-    traceback."""
-
-
-def fail(key: str, value: Any, allowed: str) -> NoReturn:
-    raise BadInput(f"recipe key {key}={value!r} is invalid: {allowed}")
-
-
-def one_line(err: BaseException) -> str:
-    """The message of the error that caused ``err`` (transformers wraps its config checks in a
-    multi-line validation error), on one line."""
-    cause = err.__cause__ or err
-    return " ".join(str(cause).split()) or type(cause).__name__
 
 
 def validate(recipe: Recipe) -> None:
@@ -237,7 +222,8 @@ def validate(recipe: Recipe) -> None:
         if reporter not in REPORTERS:
             fail("train.report_to", train.report_to, f"entries allowed: {', '.join(REPORTERS)}")
     for key, value in train.wandb.items():
-        if key not in WANDB_KEYS or not isinstance(value, WANDB_KEYS[key]) or (key == "tags" and not all(isinstance(t, str) for t in value)):
+        if (key not in WANDB_KEYS or not isinstance(value, WANDB_KEYS[key])
+                or (key == "tags" and not all(isinstance(t, str) for t in value))):
             fail(f"train.wandb.{key}", value, "keys allowed: project, entity, name, group (each a string), tags (a list of strings)")
     _check_output_dir(recipe)
     if not 0 <= recipe.lora.dropout < 1:
@@ -359,24 +345,19 @@ def _check_tiny(model: ModelSection) -> None:
 
 
 def _check_attention(recipe: Recipe) -> None:
-    """The pattern, its parameters and the backend, checked by the code that will build the
-    method (a constructor is what knows its allowed values, e.g. ``chunks >= 1``), and at the
-    sequence length it will train at (chunks of one token would switch attention off); the
-    method built for the check is dropped, since the trainer builds the one it trains through.
-    ``auto`` is checked as the default backend every method takes: which backend it becomes is
-    the training machine's to say."""
+    """The pattern, its parameters and the backend, checked without building the method: the
+    names against its class's signature, the values by its class-level check (the one its
+    constructor runs, e.g. ``chunks >= 1``), the backend against its class's ``supports``. The
+    recipe stays data: the run builds the method once, and refuses there a sequence length
+    it degenerates at. ``auto`` is checked as the default backend every method takes: which
+    backend it becomes is the training machine's to say."""
     from sparse_ft import methods
 
     att = recipe.attention
-    given = None if att.backend == "auto" else att.backend
     try:
-        method, _ = methods.for_training(att.pattern, att.params, given, recipe.model.dtype)
+        methods.check_training(att.pattern, att.params, att.backend)
     except (TypeError, ValueError) as err:
         raise BadInput(f"recipe key attention.pattern / attention.params: {err}") from None
-    try:
-        method.check_length(recipe.seq_len)
-    except ValueError as err:
-        fail("attention.params", att.params, f"{err} (the sequence length is data.seq_len, else model.target_length)")
     if att.backend == "flash" and recipe.model.dtype == "float32":
         fail("attention.backend", att.backend, "flash-attn computes in float16/bfloat16 only and model.dtype is float32; use sdpa or auto")
 
@@ -394,7 +375,8 @@ def _check_sequence_parallel(recipe: Recipe) -> None:
     if recipe.deepspeed is None:
         fail("train.sequence_parallel_size", sp, "> 1 needs DeepSpeed (Ulysses is DeepSpeed's): set deepspeed to a config in ds_configs/")
     if recipe.seq_len % sp:
-        fail("train.sequence_parallel_size", sp, f"must divide the sequence length data.seq_len={recipe.seq_len} (each rank holds seq_len / sp tokens)")
+        fail("train.sequence_parallel_size", sp, f"must divide the sequence length data.seq_len={recipe.seq_len} "
+                                                 "(each rank holds seq_len / sp tokens)")
 
 
 def _check_validation(recipe: Recipe) -> None:

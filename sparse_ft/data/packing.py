@@ -45,6 +45,12 @@ from sparse_ft.files.outputs import atomic_file, remove_stale_scratch
 BATCH = 64
 TOKEN_BYTES = np.dtype(np.int32).itemsize
 CHECK_TOKENS = 1 << 24  # tokens read at a time when looking for samples without a target
+# The cache format's version, a part of every cache key: raised when what a cache holds, or
+# what its sidecar records, changes in a way the key's other parts (source, tokenizer, lengths)
+# do not say, so that a cache written the old way is never found again and read the new way;
+# raising it rebuilds every cache once. 2: the sidecar records the tokens file's size and
+# sha256, checked at every load (1 recorded neither).
+CACHE_FORMAT = 2
 
 
 class TokenBlocks(torch.utils.data.Dataset):
@@ -73,7 +79,7 @@ class TokenBlocks(torch.utils.data.Dataset):
 
     def sha256(self) -> str:
         """The samples' content, which a checkpoint records so that a resume on other data is
-        refused (``sparse_ft.train.fingerprint.check_data``)."""
+        refused (``sparse_ft.train.fingerprint.check_resume_data``)."""
         return hashlib.sha256(np.ascontiguousarray(self.samples).data).hexdigest()
 
 
@@ -128,7 +134,7 @@ def _tokenizer_id(tokenizer) -> str:
 
 def cache_key(data_cfg: Any, tokenizer, seq_len: int) -> str:
     parts = [_fingerprint(data_cfg.source), data_cfg.split, data_cfg.text_column, data_cfg.min_tokens,
-             data_cfg.max_documents, seq_len, _tokenizer_id(tokenizer), 2]
+             data_cfg.max_documents, seq_len, _tokenizer_id(tokenizer), CACHE_FORMAT]
     if data_cfg.format != "text":  # text caches keep the key they always had
         parts += template_key(data_cfg, tokenizer)
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:24]

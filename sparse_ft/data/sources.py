@@ -106,7 +106,8 @@ def _texts(source: str, split: str, text_column: str, streaming: bool, *, trust_
             else:
                 yield from _column(_parquet(path, streaming, keys), text_column, str(path), keys)
         return
-    yield from _column(_remote_dataset(source, split, streaming=streaming, trust_remote_code=trust_remote_code, keys=keys), text_column, source, keys)
+    yield from _column(_remote_dataset(source, split, streaming=streaming, trust_remote_code=trust_remote_code, keys=keys),
+                       text_column, source, keys)
 
 
 def iter_rows(source: str, split: str = "train", streaming: bool = False, *, trust_remote_code: bool = False,
@@ -188,7 +189,8 @@ def _parse(raw: bytes, path: Path, first_line: int, keys: Keys) -> Any:
     except json.JSONDecodeError as err:
         cut = "; the file ends in this line without a newline: was it cut short?" if not raw.endswith(b"\n") else ""
         line = first_line + err.lineno - 1
-        raise ValueError(f"{keys.source} {path} line {line}: not valid JSON ({err.msg.removesuffix(' at')} at column {err.colno}){cut}") from None
+        raise ValueError(f"{keys.source} {path} line {line}: not valid JSON "
+                         f"({err.msg.removesuffix(' at')} at column {err.colno}){cut}") from None
 
 
 def _utf8_text(path: Path, keys: Keys) -> str:

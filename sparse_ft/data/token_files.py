@@ -15,7 +15,7 @@ import numpy as np
 from sparse_ft.files.json_files import json_object
 from sparse_ft.files.outputs import atomic_file
 
-DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 
 
 def dtype_for(vocab_size: int) -> str:
@@ -41,7 +41,7 @@ def sidecar(path: Path) -> dict:
 def write_tokens(tokens: Any, path: Path, dtype: str) -> Path:
     """The raw ids, written to a temporary file and renamed: a reader never sees half a file."""
     with atomic_file(path, "wb") as f:
-        np.asarray(tokens, dtype=DTYPES[dtype]).tofile(f)
+        np.asarray(tokens, dtype=TOKEN_DTYPES[dtype]).tofile(f)
     return path
 
 

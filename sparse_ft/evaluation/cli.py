@@ -14,8 +14,8 @@ import platform
 from pathlib import Path
 from typing import Any, Callable, Optional, TextIO
 
-from sparse_ft.config.keyvalue import parse_assignments
-from sparse_ft.modeling.dtypes import NAMES as DTYPES
+from sparse_ft.files.keyvalue import parse_assignments
+from sparse_ft.modeling import dtypes
 
 HELP = "perplexity, passkey retrieval and RULER's tasks of a model, an adapter or a training-free method"
 
@@ -42,10 +42,11 @@ def loading_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", default="full", help="full, an attention pattern, pi, ntk, yarn, or a registered method")
     p.add_argument("--method-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="method parameter, repeatable; values are YAML scalars (default: the method's defaults)")
-    p.add_argument("--dtype", default="float32", choices=DTYPES, help="weights dtype")
+    p.add_argument("--dtype", default="float32", choices=dtypes.NAMES, help="weights dtype")
     p.add_argument("--load-in-4bit", action="store_true", help="bitsandbytes NF4 with double quantisation")
     p.add_argument("--load-in-8bit", action="store_true", help="bitsandbytes LLM.int8")
-    p.add_argument("--bnb-compute-dtype", default="float32", choices=DTYPES, help="dtype the 4-bit matmuls run in")
+    p.add_argument("--bnb-compute-dtype", default="float32", choices=dtypes.NAMES,
+                   help="dtype the 4-bit matmuls run in")
     p.add_argument("--device", default=None, help="e.g. cuda:0 or cpu (default: cuda when available, else cpu)")
     p.add_argument("--trust-remote-code", action="store_true", help="run code from the model repository")
 
@@ -137,13 +138,13 @@ def load_model(args, method, tokenizer: bool = True, *, check_config: Optional[C
           log: Optional[TextIO] = None):
     """The model and tokenizer (the method, and ``check_config`` if given, checked against the
     model's config before the weights load); says on ``log`` (default stdout) what the method
-    reads from the config."""
+    reads from the config. ``args.model`` is the command's, resolved once by it (the adapter's
+    recorded base when ``--model`` was not given: what the results record)."""
     from sparse_ft.modeling.attention import pretrained
     from sparse_ft.modeling.devices import default_device
     from sparse_ft.modeling.dtypes import torch_dtype
     from sparse_ft.evaluation import loading
 
-    args.model = args.model or loading.recorded_base(args.adapter)  # what the results record
     method.check_device(args.device or default_device(), torch_dtype(args.dtype))
     model, tok = loading.load(args.model, args.adapter, args.dtype, args.load_in_4bit, load_in_8bit=args.load_in_8bit,
                               compute_dtype=args.bnb_compute_dtype, trust_remote_code=args.trust_remote_code,
@@ -206,7 +207,7 @@ def run_task(args) -> int:
     task = tasks.TASKS.factory(args.eval).from_args(args)
     method = method_from_args(args, task.lengths)
     task.check_method(method)
-    args.model = args.model or loading.recorded_base(args.adapter)
+    args.model = args.model or loading.recorded_base(args.adapter)  # once per run: what the results record
     inputs = {**model_inputs(args), **task.inputs()}
     _check_outputs(args, inputs, "output", pictures=(task.picture,) if task.picture else ())
     if args.output is not None:

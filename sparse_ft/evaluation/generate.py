@@ -26,7 +26,7 @@ import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from sparse_ft.evaluation.cli import loading_flags, overwrite_flag
 
@@ -125,7 +125,7 @@ def tokenize(tokenizer: Any, prompts: list[Prompt]) -> list[tuple[list[int], lis
     """``(context_ids, question_ids)`` as ``Method.generate`` takes them: the tokenizer's
     leading special tokens (a BOS), then the context and the prompt; a prompt without a
     context is all context (never an EOS some tokenizers append: it would end the prompt)."""
-    from sparse_ft.data.passkey_prompt import leading_specials, token_ids
+    from sparse_ft.evaluation.prompt_tokens import leading_specials, token_ids
 
     head = leading_specials(tokenizer)
     return [(head + token_ids(tokenizer, p.context), token_ids(tokenizer, p.text)) if p.context
@@ -199,7 +199,7 @@ def check_output(args: argparse.Namespace) -> None:
 
 
 # --- the command ---------------------------------------------------------------------------------
-def one_line(text: str) -> str:
+def escape_line_breaks(text: str) -> str:
     """A completion on one line of stdout: backslashes, newlines and carriage returns escaped."""
     return text.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r")
 
@@ -243,7 +243,7 @@ def run(args: argparse.Namespace) -> int:
         bar.update(len(batch))
         if not stream:
             texts = [tokenizer.decode(new, skip_special_tokens=True) for new in batch]
-            tqdm.write("\n".join(texts if len(prompts) == 1 else map(one_line, texts)), file=sys.stdout)
+            tqdm.write("\n".join(texts if len(prompts) == 1 else map(escape_line_breaks, texts)), file=sys.stdout)
     bar.close()
     if args.output is not None:
         _write(args, tokenizer, prompts=prompts, ids=ids, answers=answers)

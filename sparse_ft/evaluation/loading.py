@@ -11,9 +11,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from sparse_ft.modeling import quantization
+from sparse_ft.modeling import dtypes, quantization
 from sparse_ft.modeling.devices import check_device, default_device
-from sparse_ft.modeling.model_io import (DTYPES, adapter_base, base_config_for, check_model_path, load_adapter_model,
+from sparse_ft.modeling.dtypes import torch_dtype
+from sparse_ft.modeling.model_io import (adapter_base, base_config_for, check_model_path, load_adapter_model,
                                          load_tokenizer, read_meta, resolve_model)
 
 
@@ -21,8 +22,8 @@ def check_quantization(load_in_4bit: bool, load_in_8bit: bool, compute_dtype: st
     """The bits asked for (4, 8 or None), the flags checked before anything loads."""
     if load_in_4bit and load_in_8bit:
         raise ValueError("--load-in-4bit and --load-in-8bit exclude each other")
-    if compute_dtype not in DTYPES:
-        raise ValueError(f"--bnb-compute-dtype {compute_dtype!r} is unknown; allowed: {', '.join(DTYPES)}")
+    if compute_dtype not in dtypes.NAMES:
+        raise ValueError(f"--bnb-compute-dtype {compute_dtype!r} is unknown; allowed: {', '.join(dtypes.NAMES)}")
     return 4 if load_in_4bit else 8 if load_in_8bit else None
 
 
@@ -48,16 +49,16 @@ def load(model: Optional[str], adapter: Optional[str] = None, dtype: str = "floa
     naming the flag."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    if dtype not in DTYPES:
-        raise ValueError(f"--dtype {dtype!r} is unknown; allowed: {', '.join(DTYPES)}")
-    if adapter is not None or model is None:
-        model = model or recorded_base(adapter)  # the adapter checked (without one, --model is required)
+    if dtype not in dtypes.NAMES:
+        raise ValueError(f"--dtype {dtype!r} is unknown; allowed: {', '.join(dtypes.NAMES)}")
+    if model is None:
+        model = recorded_base(adapter)  # the adapter checked (without one, --model is required)
     path = resolve_model(model)
     check_model_path(path, "--model")
     bits = check_quantization(load_in_4bit, load_in_8bit, compute_dtype)
     tok = tokenizer_for(model, adapter, trust_remote_code) if tokenizer else None
     device = check_device(device or default_device())
-    kwargs: dict[str, Any] = {"dtype": DTYPES[dtype], "trust_remote_code": trust_remote_code, "device_map": device}
+    kwargs: dict[str, Any] = {"dtype": torch_dtype(dtype), "trust_remote_code": trust_remote_code, "device_map": device}
     try:
         if adapter is not None:  # the adapter's RoPE goes into the config before the weights load
             path, config = base_config_for(adapter, model, trust_remote_code, allow_other_base=allow_other_base)
@@ -66,8 +67,8 @@ def load(model: Optional[str], adapter: Optional[str] = None, dtype: str = "floa
         if check_config is not None:
             check_config(config)
         if bits is not None:  # layer shapes do not depend on an adapter's RoPE
-            kwargs["quantization_config"] = _quantization(config, bits, device, DTYPES[dtype],
-                                                          compute_dtype=DTYPES[compute_dtype],
+            kwargs["quantization_config"] = _quantization(config, bits, device, torch_dtype(dtype),
+                                                          compute_dtype=torch_dtype(compute_dtype),
                                                           trust_remote_code=trust_remote_code)
         if adapter is not None:
             loaded = load_adapter_model(adapter, path, config=config, **kwargs)

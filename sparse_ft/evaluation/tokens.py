@@ -14,7 +14,7 @@ import numpy as np
 from tqdm import tqdm
 
 from sparse_ft.data.sources import Keys, check_parquet, iter_texts, local_files
-from sparse_ft.data.token_files import DTYPES, sidecar
+from sparse_ft.data.token_files import TOKEN_DTYPES, sidecar
 
 TOKEN_FILE = ".bin"
 ROWS = (".jsonl", ".json", ".parquet")  # one document per row
@@ -25,7 +25,7 @@ def _text_file(path: Path) -> bool:
     return path.is_file() and path.suffix not in (TOKEN_FILE, *ROWS)
 
 
-def check_data(data: str, data_dtype: Optional[str] = None, *, keys: Keys = EVAL_KEYS) -> bool:
+def check_eval_data(data: str, data_dtype: Optional[str] = None, *, keys: Keys = EVAL_KEYS) -> bool:
     """Whether ``data`` is a token file (then no tokenizer is needed). A local file that is
     missing, not UTF-8 text or of a kind no reader takes, a token file whose sidecar or size
     does not fit, fails here, before any model loads."""
@@ -50,9 +50,9 @@ def load_tokens(data: str, tokenizer, vocab_size: Optional[int], data_dtype: Opt
     """The evaluation tokens, checked against the model's vocabulary (``vocab_size`` None:
     read before the model loads, then checked with :func:`check_vocabulary`)."""
     path = Path(data).expanduser()
-    if check_data(data, data_dtype, keys=keys):
+    if check_eval_data(data, data_dtype, keys=keys):
         dtype = _token_dtype(path, data, data_dtype, keys)
-        tokens = np.memmap(path, dtype=DTYPES[dtype], mode="r") if path.stat().st_size else np.zeros(0, np.uint16)
+        tokens = np.memmap(path, dtype=TOKEN_DTYPES[dtype], mode="r") if path.stat().st_size else np.zeros(0, np.uint16)
     else:
         tokens = text_tokens(data, tokenizer, split, text_column, max_tokens=max_tokens, keys=keys)
     if max_tokens is not None:
@@ -77,10 +77,10 @@ def _token_dtype(path: Path, data: str, data_dtype: Optional[str], keys: Keys) -
     """The token file's dtype (``--data-dtype``, else its sidecar's, else uint16), checked
     against the file's size."""
     dtype = data_dtype or sidecar(path).get("dtype", "uint16")
-    if dtype not in DTYPES:
+    if dtype not in TOKEN_DTYPES:
         source = "--data-dtype" if data_dtype else f"the dtype in {path.with_suffix('.json')}"
-        raise ValueError(f"{source} {dtype!r} is unknown; allowed: {', '.join(DTYPES)}")
-    if path.stat().st_size % np.dtype(DTYPES[dtype]).itemsize:
+        raise ValueError(f"{source} {dtype!r} is unknown; allowed: {', '.join(TOKEN_DTYPES)}")
+    if path.stat().st_size % np.dtype(TOKEN_DTYPES[dtype]).itemsize:
         raise ValueError(f"{keys.source} {data} has {path.stat().st_size} bytes, not a whole number of {dtype} tokens")
     return dtype
 

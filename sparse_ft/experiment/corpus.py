@@ -26,9 +26,9 @@ from typing import Iterable, Optional
 import numpy as np
 from tqdm import tqdm
 
-from sparse_ft.data.passkey_docs import passkey_document
+from sparse_ft.experiment.passkey_docs import passkey_document
 from sparse_ft.data.stdlib_text import iter_stdlib_documents
-from sparse_ft.data.token_files import DTYPES, dtype_for, sha256_file, write_token_file, write_tokens
+from sparse_ft.data.token_files import TOKEN_DTYPES, dtype_for, sha256_file, write_token_file, write_tokens
 from sparse_ft.files.outputs import atomic_file
 
 
@@ -111,7 +111,7 @@ def load_blocks(output_dir: Path) -> np.ndarray:
     manifest_path, train_path = Path(output_dir) / "corpus.json", Path(output_dir) / "train.bin"
     try:
         manifest = json.loads(manifest_path.read_text())
-        dtype, context = DTYPES[manifest["dtype"]], int(manifest["context"])
+        dtype, context = TOKEN_DTYPES[manifest["dtype"]], int(manifest["context"])
     except (ValueError, KeyError, TypeError) as err:
         raise ValueError(f"{manifest_path} is not a corpus manifest of scripts/build_corpus.py ({type(err).__name__}: {err})") from None
     size = train_path.stat().st_size if train_path.is_file() else 0

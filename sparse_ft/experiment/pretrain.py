@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -24,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 from sparse_ft.config.paths import TINY_BASE_DIR as ASSET_DIR
-from sparse_ft.modeling.dtypes import NAMES as DTYPES
+from sparse_ft.modeling import dtypes
 from sparse_ft.modeling.tiny import BUILT_IN
 
 if TYPE_CHECKING:
@@ -63,8 +61,8 @@ class PretrainConfig:
     passkey_depths: list[float] = field(default_factory=lambda: [0.0, 0.5, 1.0])
 
     def validate(self) -> None:
-        if self.save_dtype not in DTYPES:
-            raise ValueError(f"save_dtype={self.save_dtype!r} is unknown; allowed: {', '.join(DTYPES)}")
+        if self.save_dtype not in dtypes.NAMES:
+            raise ValueError(f"save_dtype={self.save_dtype!r} is unknown; allowed: {', '.join(dtypes.NAMES)}")
         for key in ("steps", "batch_size", "context", "log_every", "eval_windows", "num_attention_heads",
                     "num_key_value_heads", "hidden_size", "intermediate_size", "num_hidden_layers"):
             if getattr(self, key) < 1:
@@ -152,30 +150,22 @@ def evaluate(model, tokenizer, val_tokens: np.ndarray, cfg: PretrainConfig) -> d
     """Validation PPL at the training context and passkey accuracy at the full window, through
     the project's evaluator so the numbers match ``sparse-ft eval``."""
     from sparse_ft import methods
-    from sparse_ft.evaluation import passkey, ppl
+    from sparse_ft.evaluation import window_perplexity
+    from sparse_ft.evaluation.tasks.passkey import Passkey
 
     full = methods.get("full")
-    result = ppl.evaluate_length(model, val_tokens, cfg.context, cfg.context, scoring="standard", method=full,
-                                 batch_size=8,
-                                 max_windows=cfg.eval_windows)
+    result = window_perplexity.evaluate_length(model, val_tokens, cfg.context, cfg.context, scoring="standard",
+                                               method=full, batch_size=8, max_windows=cfg.eval_windows)
     out = {"val_ppl": result["ppl"], "val_tokens_scored": result["tokens"]}
     if cfg.passkey_trials:
         # at `context` the answer is decoded just past the window; at `context - 8` it lies inside
         lengths = [cfg.context - 8, cfg.context]
-        cells = passkey.evaluate(model, tokenizer, lengths, cfg.passkey_depths, trials=cfg.passkey_trials, method=full,
-                                 seed=cfg.seed)
+        cells = Passkey(lengths, cfg.passkey_depths, trials=cfg.passkey_trials, seed=cfg.seed).evaluate(
+            model, tokenizer, full)
         out["passkey"] = cells
         out["passkey_accuracy"] = {n: sum(c["accuracy"] for c in cells if c["length"] == n) / len(cfg.passkey_depths)
                                    for n in lengths}
     return out
-
-
-def machine() -> dict:
-    import torch
-
-    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
-            "torch": torch.__version__}
 
 
 def save(model, tokenizer, stats: dict, output: Path, *, save_dtype: str, overwrite: bool = False) -> Path:
@@ -230,7 +220,9 @@ def pretrain(cfg: PretrainConfig, corpus: Path = CORPUS_DIR, output: Path = ASSE
         stats["previous_phase"] = previous
     val = load_tokens(str(corpus / "val.bin"), tokenizer, model.config.vocab_size)
     stats["evaluation"] = evaluate(model, tokenizer, val, cfg)
-    stats.update(config=asdict(cfg), corpus=json.loads((corpus / "corpus.json").read_text()), machine=machine(),
+    from sparse_ft.bench.machine import describe
+
+    stats.update(config=asdict(cfg), corpus=json.loads((corpus / "corpus.json").read_text()), machine=describe(),
                  wall_seconds=time.perf_counter() - began, saved_dtype=cfg.save_dtype)
     save(model, tokenizer, stats, output, save_dtype=cfg.save_dtype, overwrite=overwrite)
     return stats
@@ -253,7 +245,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace --output when it holds an earlier sparse-ft output")
     for key, text in FLAGS.items():
         p.add_argument("--" + key.replace("_", "-"), type=type(getattr(defaults, key)), default=getattr(defaults, key), help=text)
-    p.add_argument("--save-dtype", default=defaults.save_dtype, choices=DTYPES, help="dtype of the saved weights")
+    p.add_argument("--save-dtype", default=defaults.save_dtype, choices=dtypes.NAMES, help="dtype of the saved weights")
     p.add_argument("--init-from", type=Path, default=None, help="continue from this checkpoint, a second phase (default: a fresh model)")
     p.add_argument("--passkey-fraction", type=float, default=None,
                    help="share of passkey documents when the corpus is built here (default: scripts/build_corpus.py's)")

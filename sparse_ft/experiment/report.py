@@ -14,7 +14,7 @@ from statistics import mean
 from sparse_ft.evaluation.plots import plot_passkey, plot_ppl
 from sparse_ft.evaluation.report import write_json
 from sparse_ft.files.outputs import atomic_file
-from sparse_ft.modeling.rope import METHODS as ROPE_NAMES
+from sparse_ft.modeling.rope import SCALINGS
 
 
 def _shown(path: str) -> str:
@@ -110,7 +110,7 @@ def tables(results: dict) -> str:
     cfg = results["config"]
     out = [f"# Tiny-scale experiment: {context} -> {target} tokens", "",
            f"Base: `{_shown(cfg['base'])}` (context {context}). Fine-tuning: "
-           f"{ROPE_NAMES[cfg.get('rope_method', 'linear')]} to {target} + LoRA+ through each pattern, "
+           f"{SCALINGS[cfg.get('rope_method', 'linear')]} to {target} + LoRA+ through each pattern, "
            f"{cfg['steps']} steps each, seeds {cfg['seeds']}; evaluation with full attention, standard sliding-window "
            f"PPL (stride {context}, {cfg['ppl_windows']} windows per length) on held-out stdlib modules; passkey: "
            f"{cfg['passkey_trials']} keys x depths {cfg['passkey_depths']}, greedy, exact match. "
@@ -186,7 +186,7 @@ def draw(results: dict, out: Path) -> list[Path]:
     from a finished ``results.json`` (``sparse-ft experiment --replot``)."""
     out, cfg = Path(out), results["config"]
     base, context, target = Path(cfg["base"]).name, results["context"], results["target"]
-    rope = ROPE_NAMES[cfg.get("rope_method", "linear")]
+    rope = SCALINGS[cfg.get("rope_method", "linear")]
     seeds = f"mean of seeds {', '.join(map(str, cfg['seeds']))}"
     drawn, series = [], []
     for pattern, group in _by_pattern(results["rows"]).items():

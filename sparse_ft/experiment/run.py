@@ -26,8 +26,8 @@ from typing import Any, Callable, Optional
 
 from sparse_ft import console
 from sparse_ft.config.paths import RECIPE_DIRS, REPO_ROOT
-from sparse_ft.experiment.pretrain import ASSET_DIR, machine
-from sparse_ft.modeling.rope import METHODS as ROPE_METHODS
+from sparse_ft.experiment.pretrain import ASSET_DIR
+from sparse_ft.modeling.rope import SCALINGS
 
 HELP = "the tiny base extended 4x by every pattern and training-free method: tables, plots"
 WRITER = "sparse-ft experiment"
@@ -61,9 +61,9 @@ def trained_patterns() -> list[str]:
 
 def ruler_tasks() -> list[str]:
     """The registered RULER tasks, in their order, but those of :data:`RULER_TOO_LONG`."""
-    from sparse_ft.evaluation.tasks.generation import generation_tasks
+    from sparse_ft.evaluation.tasks.generation import registered_ruler_tasks
 
-    return [task for task in generation_tasks() if task not in RULER_TOO_LONG]
+    return [task for task in registered_ruler_tasks() if task not in RULER_TOO_LONG]
 
 
 def free_methods() -> dict[str, tuple[str, dict]]:
@@ -115,11 +115,11 @@ class ExperimentConfig:
         for m in self.free_methods:
             if m not in rows:
                 raise ValueError(f"--free-methods {m!r} is unknown; allowed: {', '.join(rows)}")
-        from sparse_ft.evaluation.tasks.generation import generation_tasks
+        from sparse_ft.evaluation.tasks.generation import registered_ruler_tasks
 
         for task in self.ruler_tasks:
-            if task not in generation_tasks():
-                raise ValueError(f"ruler_tasks {task!r} is unknown; allowed: {', '.join(generation_tasks())}")
+            if task not in registered_ruler_tasks():
+                raise ValueError(f"ruler_tasks {task!r} is unknown; allowed: {', '.join(registered_ruler_tasks())}")
         for key in ("factor", "steps", "ppl_windows", "passkey_trials", "ruler_samples"):
             if getattr(self, key) < 1:
                 raise ValueError(f"--{key.replace('_', '-')} {getattr(self, key)} must be >= 1")
@@ -280,7 +280,9 @@ class Runner:
         recipe = self._recipe(pattern, seed, str(run_dir))
         key = self._fine_tuned_key(recipe)
         if (row := self._cached(name, key)) is not None:
-            adapter = lambda: self._train(recipe, run_dir)[0]["adapter"]  # reused: only RULER may be missing
+            def adapter():  # reused: only RULER may be missing
+                return self._train(recipe, run_dir)[0]["adapter"]
+
             return self._with_ruler(row, lambda: loading.load(self.cfg.base, adapter()), methods.get("full"))
         summary, train_seconds = self._train(recipe, run_dir)
         began = time.perf_counter()
@@ -388,10 +390,11 @@ class Runner:
         # of the whole table even when this invocation only filled in what changed
         row_seconds = sum(r.get("train_seconds", 0.0) + r["eval_seconds"] + r.get("ruler", {}).get("seconds", 0.0)
                           for r in rows)
-        results = {"config": portable(asdict(self.cfg)), "context": self.context, "target": self.target, "rows": rows,
-                   "wall_seconds": time.perf_counter() - began, "row_seconds": row_seconds, "machine": machine()}
+        from sparse_ft.bench.machine import describe
         from sparse_ft.experiment.report import write_report
 
+        results = {"config": portable(asdict(self.cfg)), "context": self.context, "target": self.target, "rows": rows,
+                   "wall_seconds": time.perf_counter() - began, "row_seconds": row_seconds, "machine": describe()}
         write_report(results, self.out)
         return results
 
@@ -429,7 +432,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", default=None, help=f"results folder (default {d.output}, with --quick {QUICK['output']})")
     p.add_argument("--runs", default=None, help=f"adapters (default {d.runs}, with --quick {QUICK['runs']})")
     p.add_argument("--recipe", default=d.recipe, help="the fine-tuning recipe every pattern shares")
-    p.add_argument("--rope-method", default=d.rope_method, choices=list(ROPE_METHODS),
+    p.add_argument("--rope-method", default=d.rope_method, choices=list(SCALINGS),
                    help="RoPE extension of the fine-tuned rows (default linear = PI); other methods write to "
                         "<output>-<method> and <runs>-<method> unless --output/--runs are given")
     p.add_argument("--patterns", type=_list(str), default=None,

@@ -447,7 +447,8 @@ class RunLock:
             except json.JSONDecodeError:
                 pass
             time.sleep(0.1)
-        raise ValueError(f"train.output_dir={self.path.parent} has an unreadable lock {self.path}: delete it if no run is using the directory")
+        raise ValueError(f"train.output_dir={self.path.parent} has an unreadable lock {self.path}: "
+                         "delete it if no run is using the directory")
 
     def _take_over(self, stale: dict) -> None:
         """Move the stale lock aside (one process wins the rename); a lock that turns out not to

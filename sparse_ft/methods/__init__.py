@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from sparse_ft.methods.base import (METHODS, AlgorithmMethod, Method, Sampling, Supports, cached_generate, register,
                                     reprefill_generate)
-from sparse_ft.methods.lookup import for_training, get, names, resolve, trainable_names
+from sparse_ft.methods.lookup import (as_method, check, check_training, for_training, get, names, supports,
+                                      trainable_names)
 from sparse_ft.methods.pattern import ModelAttention, PatternMethod
 
 # the modules whose methods register themselves on import, in the order tables list them
@@ -30,5 +31,6 @@ from sparse_ft.methods import dca as _dca  # noqa: E402,F401
 from sparse_ft.methods import longheads as _longheads  # noqa: E402,F401
 from sparse_ft.methods import parallelcomp as _parallelcomp  # noqa: E402,F401
 
-__all__ = ["METHODS", "AlgorithmMethod", "Method", "ModelAttention", "PatternMethod", "Sampling", "Supports", "cached_generate",
-           "for_training", "get", "names", "register", "reprefill_generate", "resolve", "trainable_names"]
+__all__ = ["METHODS", "AlgorithmMethod", "Method", "ModelAttention", "PatternMethod", "Sampling", "Supports", "as_method",
+           "cached_generate", "check", "check_training", "for_training", "get", "names", "register", "reprefill_generate",
+           "supports", "trainable_names"]

@@ -22,7 +22,7 @@ import torch
 from attn_patterns.algorithm import Algorithm
 from attn_patterns.kernels import triton_unsupported
 from attn_patterns.registry import Registry
-from sparse_ft.modeling.attention import use_attention
+from sparse_ft.modeling.attention import install_method
 from sparse_ft.modeling.rope import context_length
 
 
@@ -102,7 +102,7 @@ class Method:
     def apply(self, model: torch.nn.Module, length: int) -> None:
         """Make ``model`` attend with this method for sequences of ``length`` tokens
         (evaluation calls it per length)."""
-        use_attention(model, self)
+        install_method(model, self)
 
     def generate(self, model: torch.nn.Module, tokenizer: Any, *, context_ids: list[int], question_ids: list[int],
                  max_new_tokens: int) -> list[int]:

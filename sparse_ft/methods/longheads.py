@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 import torch
 
+from attn_patterns.kernels import LSE_BACKENDS
 from attn_patterns.longheads import LongHeads, chunk_representations, longheads_attention
 from sparse_ft.modeling import rope
 from sparse_ft.methods.base import AlgorithmMethod, Supports, register
@@ -30,7 +31,7 @@ _STATE_ATTR = "_longheads_state"
 class LongHeadsMethod(AlgorithmMethod):
     name = "longheads"
     algorithm_class = LongHeads
-    supports = Supports(training=False, ppl=True, kv_cache=True)
+    supports = Supports(training=False, ppl=True, kv_cache=True, backends=(None, *LSE_BACKENDS))
 
     def __call__(self, module, query, key, value, attention_mask, *, scaling: Optional[float] = None,
                  dropout: float = 0.0, **kwargs: Any) -> tuple[torch.Tensor, None]:
@@ -48,7 +49,8 @@ class LongHeadsMethod(AlgorithmMethod):
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Hashable) -> torch.Tensor:
             reps = _update_state(module, q, k, v, group=group, chunk_size=algorithm.chunk_size, inv_freq=inv_freq)
             return longheads_attention(q, k, v, reps=reps, chunk_size=algorithm.chunk_size, chunks=chunks,
-                                       inv_freq=inv_freq, scale=scale, keep_previous=algorithm.keep_previous)
+                                       inv_freq=inv_freq, scale=scale, keep_previous=algorithm.keep_previous,
+                                       backend=algorithm.backend)
 
         return per_span(attend, query, key, value, spans=spans).transpose(1, 2).contiguous(), None
 

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from attn_patterns.checks import check_int
 from sparse_ft.modeling import rope
-from sparse_ft.modeling.attention import current_method, pretrained, use_attention
+from sparse_ft.modeling.attention import current_method, install_method, pretrained
 from sparse_ft.methods.base import Method, Supports, greedy, model_device, register
 from sparse_ft.methods.pattern import ModelAttention
 
@@ -200,11 +200,11 @@ class _Global(Method):
 def _attending(model, method: Method) -> Iterator[None]:
     """The model attends with ``method`` inside the block, as before after it."""
     previous = current_method(model)
-    use_attention(model, method)
+    install_method(model, method)
     try:
         yield
     finally:
-        use_attention(model, previous if previous is not None else ModelAttention())
+        install_method(model, previous if previous is not None else ModelAttention())
 
 
 def _encode(model, encoder: _Encode, *, spans, context, question, cfg, num_layers):

@@ -100,7 +100,7 @@ def _check_supported(base: torch.nn.Module, layers: list[torch.nn.Module]) -> No
         raise ValueError(f"{type(base).__name__} has non-causal attention layers; patterns are for causal decoders")
 
 
-def use_attention(model: torch.nn.Module, method: AttentionMethod) -> torch.nn.Module:
+def install_method(model: torch.nn.Module, method: AttentionMethod) -> torch.nn.Module:
     """Switch every attention layer of ``model`` to a ready ``method``. A method that leaves
     attention to the model (``replaces_attention = False``: the method ``full``, RoPE
     scaling) switches back to the model's own implementation (sdpa, eager, ...), whose
@@ -110,7 +110,7 @@ def use_attention(model: torch.nn.Module, method: AttentionMethod) -> torch.nn.M
 
     if not (callable(method) and hasattr(method, "replaces_attention") and hasattr(method, "check_model")):
         raise ValueError(
-            f"sparse_ft.modeling.attention.use_attention installs a ready method (a sparse_ft.methods.Method), got {method!r}; "
+            f"sparse_ft.modeling.attention.install_method installs a ready method (a sparse_ft.methods.Method), got {method!r}; "
             "a name or a pattern goes through sparse_ft.use_attention(model, name, **params)"
         )
     base = pretrained(model)

@@ -24,13 +24,11 @@ from typing import Any, Optional
 import torch
 
 from sparse_ft.modeling import rope
-from sparse_ft.modeling.dtypes import NAMES, torch_dtype
 from sparse_ft.files.json_files import json_object
 from sparse_ft.files.outputs import atomic_directory
 from sparse_ft.modeling.tiny import is_built_in
 from sparse_ft.modeling.weight_files import fingerprint, model_files, refuse_pickle, tensor_names
 
-DTYPES = {name: torch_dtype(name) for name in NAMES}  # recipe / CLI name -> torch dtype
 META_FILE = "sparse_ft.json"
 # the base's dimensions an adapter records: loading it onto another base fails by name, not by shape
 SHAPE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")

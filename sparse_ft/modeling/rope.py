@@ -12,13 +12,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Optional
 
-if TYPE_CHECKING:  # no torch at import: recipes and command-line parsers read METHODS
+if TYPE_CHECKING:  # no torch at import: recipes and command-line parsers read SCALINGS
     import torch
 
 # The ways sparse-ft extends RoPE, one table: each is the transformers rope_type it writes
 # (what ``model.rope_method`` and ``sparse-ft experiment --rope-method`` accept, and what the
 # training-free methods pi / ntk / yarn write), with the name result tables give it.
-METHODS = {"linear": "PI", "dynamic": "dynamic NTK", "yarn": "YaRN"}
+SCALINGS = {"linear": "PI", "dynamic": "dynamic NTK", "yarn": "YaRN"}
 # The largest RoPE scaling factor (target length / the model's pretraining context, composed
 # with any scaling it has) sparse-ft writes: published extensions go to 16-32x (PI: LLaMA 2k to
 # 32k; YaRN: Llama 2 4k to 128k), so 64x is twice the furthest, and a factor past it is a length
@@ -115,8 +115,8 @@ def scale_rope(config: Any, factor: float, method: str = "linear") -> dict[str, 
     """Multiply the model's RoPE scaling by ``factor`` with ``method``; returns the new
     parameters, written into ``config`` in its own format. Call :func:`refresh_rotary` on a
     loaded model afterwards."""
-    if method not in METHODS:
-        raise ValueError(f"rope method={method!r} is not supported; allowed: {', '.join(METHODS)}")
+    if method not in SCALINGS:
+        raise ValueError(f"rope method={method!r} is not supported; allowed: {', '.join(SCALINGS)}")
     if not factor >= 1.0:
         raise ValueError(f"rope factor={factor} must be >= 1 (RoPE scaling only extends the context)")
     check_factor(config, factor)
@@ -227,7 +227,8 @@ def rope_inv_freq(config: Any, method: str = "re-positioning") -> torch.Tensor:
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
         if rope_type not in ROPE_INIT_FUNCTIONS:
-            raise ValueError(f"{method}: rope_type={rope_type!r} is unknown to transformers; allowed: default, {', '.join(ROPE_INIT_FUNCTIONS)}")
+            raise ValueError(f"{method}: rope_type={rope_type!r} is unknown to transformers; "
+                             f"allowed: default, {', '.join(ROPE_INIT_FUNCTIONS)}")
         return ROPE_INIT_FUNCTIONS[rope_type](config, None)[0].float()
     from sparse_ft.modeling.families import geometry
 

@@ -105,7 +105,8 @@ def check_sequence_parallel(sps: list[int], gpus: int, shape: Any) -> None:
 
 def check_lora_rank(lora: Any, shape: Any) -> None:
     """``lora.r`` by the rule ``train`` applies in its preflight, on the shape's projections."""
-    from sparse_ft.config.schema import fail, lora_rank_rule
+    from sparse_ft.config.bad_input import fail
+    from sparse_ft.config.schema import lora_rank_rule
 
     layers = shape.linear_shapes()
     targets = {t.rsplit(".", 1)[-1] for t in lora.target_modules}
@@ -119,7 +120,7 @@ def check_rope_factor(shape: Any, native_length: Optional[int], lengths: dict[st
     (``rope.check_factor`` on ``rope.extension_factor``, over the context the shape's config
     states, or ``model.native_length`` as ``train`` takes it), in one line naming the key or
     flag (``lengths``: each one's lengths)."""
-    from sparse_ft.config.schema import fail
+    from sparse_ft.config.bad_input import fail
     from sparse_ft.modeling import rope
 
     config = shape.rope_config()
@@ -144,7 +145,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--patterns", default=None,
                         help="patterns to plan (comma list; default: every trainable one, full included); "
                              "parameters (chunks) from the recipe's attention.params")
-    parser.add_argument("--sp", default=None, help="sequence-parallel sizes (comma list; default: the recipe's train.sequence_parallel_size)")
+    parser.add_argument("--sp", default=None,
+                        help="sequence-parallel sizes (comma list; default: the recipe's train.sequence_parallel_size)")
     parser.add_argument("--gpus", type=int, default=None,
                         help="GPUs the run spans (ZeRO's partitions; default: the recipe's train.gpus, else the largest --sp)")
     parser.add_argument("--kernel", choices=["fused", "math"], default="fused",
@@ -153,7 +155,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="fraction of the GPU kept free for the CUDA context, NCCL and fragmentation")
     parser.add_argument("--lengths", default=None,
                         help="sequence lengths to break down by component (comma list; default: model.target_length)")
-    parser.add_argument("--output", type=Path, default=None, help="write the plan as JSON here and markdown beside it (default: the table on stdout only)")
+    parser.add_argument("--output", type=Path, default=None,
+                        help="write the plan as JSON here and markdown beside it (default: the table on stdout only)")
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier --output of sparse-ft")
     parser.set_defaults(func=run, local_rank=None)
 

@@ -296,7 +296,8 @@ def components(setup: Setup, n: int) -> dict[str, float]:
     parts = {**weights(setup), **optimizer_state(setup)}
     if setup.gradient_checkpointing:
         kept = 1 if setup.offload_activations else s.layers
-        parts["checkpointed layer inputs" + (" (1 layer; the rest on the CPU)" if setup.offload_activations else "")] = kept * t * s.hidden * r
+        where = " (1 layer; the rest on the CPU)" if setup.offload_activations else ""
+        parts["checkpointed layer inputs" + where] = kept * t * s.hidden * r
     # computed once per forward in the residual's dtype, read by every layer's backward
     parts["RoPE cos/sin tables"] = 2 * r * s.head_dim * t
     candidates = phases(setup, n)

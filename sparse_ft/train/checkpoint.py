@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 from safetensors.torch import load_file, save
 
-from sparse_ft.config.schema import fail
+from sparse_ft.config.bad_input import fail
 from sparse_ft.data.token_files import sha256_file
 from sparse_ft.files.outputs import OUTPUT_MARKER, fsync_dir, replace_directory, write_synced
 from sparse_ft.train.adapter import ADAPTER_FILES, write_adapter

@@ -2,11 +2,13 @@
 
     sparse-ft train recipe=NAME [dotted.key=value ...]
     deepspeed [--num_gpus N] [--hostfile H] train.py recipe=NAME [dotted.key=value ...]
-    deepspeed [--num_gpus N] --module sparse_ft.train recipe=NAME ...   (installed, no checkout)
+    deepspeed [--num_gpus N] --no_local_rank --module sparse_ft train recipe=NAME ...   (installed, no checkout)
     torchrun --nproc_per_node N train.py recipe=NAME ...
 
 Every process parses the same arguments; the DeepSpeed launcher's ``--local_rank`` becomes
-``LOCAL_RANK``, where ``torch.distributed`` reads it.
+``LOCAL_RANK``, where ``torch.distributed`` reads it. An installed package runs the root
+command (``python -m sparse_ft``), which takes no launcher flag before its sub-command: there
+``--no_local_rank`` leaves the rank to ``LOCAL_RANK``, which the launcher sets as well.
 """
 
 from __future__ import annotations

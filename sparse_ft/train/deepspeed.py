@@ -60,12 +60,12 @@ class DeepSpeedEngine(Engine):
 
     mpu = None
 
-    def __init__(self, model: torch.nn.Module, recipe: Recipe, total_steps: int, ds_config: dict) -> None:
+    def __init__(self, model: torch.nn.Module, recipe: Recipe, *, ds_config: dict) -> None:
+        super().__init__(model, recipe)
         self.ds_config = ds_config
         self.zero3 = ds_config.get("zero_optimization", {}).get("stage") == 3
         self.world_size = dist.get_world_size()
         self.rank = dist.get_rank()
-        super().__init__(model, recipe, total_steps)
 
     def _mixed_precision(self, trainable):
         return None  # DeepSpeed keeps the fp32 masters and the loss scale itself

@@ -14,13 +14,13 @@ from __future__ import annotations
 import math
 import warnings
 from contextlib import contextmanager
-from typing import Callable, ContextManager, Iterator, Optional
+from typing import Any, Callable, ContextManager, Iterator, Optional
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from sparse_ft.config import Recipe, TrainSection
-from sparse_ft.modeling.model_io import DTYPES
+from sparse_ft.modeling.dtypes import torch_dtype
 from sparse_ft.train.loss import training_loss
 
 
@@ -55,20 +55,35 @@ def param_groups(trainable: list[torch.nn.Parameter], train: TrainSection) -> li
 
 class Engine:
     """Micro-step (forward+backward), optimizer step at accumulation boundaries, and access to
-    full (gathered) trainable tensors for adapters and checkpoints."""
+    full (gathered) trainable tensors for adapters and checkpoints. Built in two explicit
+    steps by :meth:`build`: the constructor sets attributes only (a subclass sets its own after
+    ``super().__init__``, as usual), then :meth:`prepare` runs the steps a subclass overrides
+    (mixed precision, the optimizer and its schedule), on a fully constructed engine."""
 
     world_size = 1
     rank = 0
 
-    def __init__(self, model: torch.nn.Module, recipe: Recipe, total_steps: int) -> None:
+    def __init__(self, model: torch.nn.Module, recipe: Recipe) -> None:
         self.model = model
         self.accum = recipe.train.gradient_accumulation_steps
         self.max_grad_norm = recipe.train.max_grad_norm
-        self.dtype = DTYPES[recipe.model.dtype]
+        self.dtype = torch_dtype(recipe.model.dtype)
         self.loss_function = training_loss(model, recipe.train.loss, recipe.train.loss_chunk_tokens)
-        trainable = [p for p in model.parameters() if p.requires_grad]
-        self.scaler = self._mixed_precision(trainable)
         self.overflowed = False  # fp16: the loss scaler skipped the last step
+
+    @classmethod
+    def build(cls, model: torch.nn.Module, recipe: Recipe, total_steps: int, **options: Any) -> "Engine":
+        """The engine ready to step: constructed (``options``: a subclass's own constructor
+        arguments), then prepared for ``total_steps`` optimizer steps."""
+        engine = cls(model, recipe, **options)
+        engine.prepare(recipe, total_steps)
+        return engine
+
+    def prepare(self, recipe: Recipe, total_steps: int) -> None:
+        """fp32 masters (and fp16's loss scale) for the trainable parameters, then the
+        optimizer and the learning-rate schedule over them."""
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.scaler = self._mixed_precision(trainable)
         groups = param_groups(trainable, recipe.train)
         self.optimizer, self.scheduler = self._build_optimizer(groups, recipe, schedule(recipe.train, total_steps))
 

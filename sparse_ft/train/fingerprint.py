@@ -57,7 +57,7 @@ def check_resume(saved: dict, current: dict, allowed: list[str], checkpoint: Pat
         print(f"train.resume_allow_changes: resuming {checkpoint} with {_describe(accepted)}", flush=True)
 
 
-def check_data(saved: dict, current: dict, allowed: list[str], checkpoint: Path) -> None:
+def check_resume_data(saved: dict, current: dict, allowed: list[str], checkpoint: Path) -> None:
     """Raise ``ValueError`` when the training set differs from the one ``checkpoint`` was
     written on, by its number of samples or its content (the token cache's sha256, recorded
     when the cache was built; a checkpoint from before that was recorded is compared by size):

@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 
 from sparse_ft.config import Recipe, format_recipe
-from sparse_ft.config.schema import BadInput, fail
+from sparse_ft.config.bad_input import BadInput, fail
 from sparse_ft.files.outputs import DISK_FULL, file_in_the_way
 
 WANDB_ID_FILE = "wandb_run_id"

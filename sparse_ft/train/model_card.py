@@ -25,9 +25,10 @@ ADAPTER_PLACEHOLDER = "path/to/this/adapter"
 def _rope_line(meta: dict) -> str:
     params = rope.portable(meta["rope_parameters"])
     kind = params["rope_type"]
-    name = rope.METHODS.get(kind, kind)
+    name = rope.SCALINGS.get(kind, kind)
     if kind == "default":
-        return f"default RoPE (rope_theta {params.get('rope_theta')}), no scaling; max_position_embeddings {meta['max_position_embeddings']}"
+        return (f"default RoPE (rope_theta {params.get('rope_theta')}), no scaling; "
+                f"max_position_embeddings {meta['max_position_embeddings']}")
     extra = ", ".join(f"{k} {v}" for k, v in sorted(params.items()) if k not in ("rope_type", "factor"))
     return (f"`{kind}` ({name}) factor {params.get('factor')} ({extra}): pretraining context "
             f"{meta.get('original_context')} → max_position_embeddings {meta['max_position_embeddings']}")
@@ -41,6 +42,8 @@ def model_card(meta: dict, adapter_config: dict) -> str:
     pattern_args = ", ".join(f"{k}={v}" for k, v in attention.items())
     targets = ", ".join(sorted(adapter_config.get("target_modules") or []))
     saved = ", ".join(adapter_config.get("modules_to_save") or []) or "none"
+    quantised = meta.get("base_quantization", "none")
+    trained_with = f"`{pattern}`{f' ({pattern_args})' if pattern_args else ''}"
     return f"""---
 base_model: {meta.get('base_model_given') or base}
 library_name: peft
@@ -56,10 +59,10 @@ tags:
 
 | | |
 |---|---|
-| base model | `{base}` (weights fingerprint `{meta.get('base_fingerprint')}`; quantised while training: {meta.get('base_quantization', 'none')}) |
+| base model | `{base}` (weights fingerprint `{meta.get('base_fingerprint')}`; quantised while training: {quantised}) |
 | method | LoRA r={adapter_config.get('r')}, alpha={adapter_config.get('lora_alpha')} on {targets}; also trained in full: {saved} |
 | RoPE | {_rope_line(meta)} |
-| attention pattern trained with | `{pattern}`{f' ({pattern_args})' if pattern_args else ''}: a training-time sparsity only; the model runs with ordinary full attention |
+| attention pattern trained with | {trained_with}: a training-time sparsity only; the model runs with ordinary full attention |
 | target length | {meta.get('target_length')} tokens |
 | recipe | `{meta.get('recipe')}` |
 

@@ -9,10 +9,11 @@ from typing import Optional
 
 from sparse_ft import methods
 from sparse_ft.modeling import rope
-from sparse_ft.modeling.attention import use_attention
+from sparse_ft.modeling.attention import install_method
 from sparse_ft.config import LoraSection, Recipe
+from sparse_ft.config.bad_input import fail
 from sparse_ft.methods import Method
-from sparse_ft.modeling.model_io import DTYPES
+from sparse_ft.modeling.dtypes import torch_dtype
 from sparse_ft.modeling.tiny import is_built_in
 from sparse_ft.train.activations import reduce_activation_memory
 
@@ -22,12 +23,18 @@ _KEEP_ALIVE: list = []  # transformers reads the ZeRO-3 config through a weak gl
 
 
 def training_method(recipe: Recipe) -> Method:
-    """The method the run trains through. ``attention.backend: auto`` is resolved here, on the
-    machine that trains, and written into ``recipe``, so that the saved recipe and the
-    checkpoints' fingerprint name the backend that ran. The recipe's names were checked when
-    it loaded."""
+    """The method the run trains through, built once per run. ``attention.backend: auto`` is
+    resolved here, on the machine that trains, and written into ``recipe``, so that the saved
+    recipe and the checkpoints' fingerprint name the backend that ran. The recipe's names and
+    values were checked when it loaded; what needs the built method is checked here, before
+    anything loads: the sequence length it trains at (chunks of one token would switch
+    attention off)."""
     att = recipe.attention
     method, att.backend = methods.for_training(att.pattern, att.params, att.backend, recipe.model.dtype)
+    try:
+        method.check_length(recipe.seq_len)
+    except ValueError as err:
+        fail("attention.params", att.params, f"{err} (the sequence length is data.seq_len, else model.target_length)")
     return method
 
 
@@ -70,11 +77,12 @@ def load_base(recipe: Recipe, path: str, ds_config: Optional[dict] = None):
         from transformers.integrations import HfDeepSpeedConfig
 
         if quantized:
-            quantized["quantization_config"].bnb_4bit_quant_storage = DTYPES[recipe.model.dtype]
+            quantized["quantization_config"].bnb_4bit_quant_storage = torch_dtype(recipe.model.dtype)
             del quantized["device_map"]
         _KEEP_ALIVE.append(HfDeepSpeedConfig(ds_config))  # weights load partitioned (zero.Init)
     return AutoModelForCausalLM.from_pretrained(
-        path, config=config, dtype=DTYPES[recipe.model.dtype], trust_remote_code=recipe.model.trust_remote_code, **quantized
+        path, config=config, dtype=torch_dtype(recipe.model.dtype), trust_remote_code=recipe.model.trust_remote_code,
+        **quantized
     )
 
 
@@ -95,7 +103,7 @@ def nf4_loading(recipe: Recipe, config) -> dict:
 
     local = int(os.environ.get("LOCAL_RANK", 0))
     device = f"cuda:{local}" if torch.cuda.is_available() else "cpu"
-    dtype = DTYPES[recipe.model.dtype]
+    dtype = torch_dtype(recipe.model.dtype)
     plan, refused = quantization.plan(config, 4, device, dtype, compute_dtype=dtype,
                                       trust_remote_code=recipe.model.trust_remote_code)
     if refused and int(os.environ.get("RANK", 0)) == 0:
@@ -106,7 +114,7 @@ def nf4_loading(recipe: Recipe, config) -> dict:
 def train_through(model, method: Method, gradient_checkpointing: bool):
     """``model`` attending through the training ``method``, with gradient checkpointing when
     asked: what every trained model gets, its adapters or not."""
-    use_attention(model, method)
+    install_method(model, method)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model

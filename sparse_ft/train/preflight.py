@@ -14,7 +14,8 @@ import torch
 from attn_patterns import kernels
 from sparse_ft.config import Recipe
 from sparse_ft.config.deepspeed_file import check_cuda_arch_list, check_with_deepspeed, read_deepspeed_config
-from sparse_ft.config.schema import BadInput, check_sequence_parallel, fail, lora_rank_rule, one_line
+from sparse_ft.config.bad_input import BadInput, fail, one_line
+from sparse_ft.config.schema import check_sequence_parallel, lora_rank_rule
 from sparse_ft.data.packing import check_source
 from sparse_ft.modeling.dtypes import torch_dtype
 from sparse_ft.modeling.families import geometry
@@ -181,7 +182,8 @@ def _check_lora(recipe: Recipe, model: torch.nn.Module) -> None:
         matched = [name for name in modules if name.endswith(suffix)]
         if not matched:
             ends = sorted({_leaf(name) for name in modules if not _leaf(name).isdigit()})
-            fail("lora.extra_trainable", lora.extra_trainable, f"{suffix!r} ends no module name; the model's names end in: {', '.join(ends)}")
+            fail("lora.extra_trainable", lora.extra_trainable,
+                 f"{suffix!r} ends no module name; the model's names end in: {', '.join(ends)}")
         holding = [name for name in matched if any(t.startswith(name + ".") for t in targets)]
         if holding:  # PEFT would copy it whole and leave LoRA nothing to adapt inside it
             fail("lora.extra_trainable", lora.extra_trainable,

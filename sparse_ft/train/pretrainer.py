@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from sparse_ft.config import Recipe
-from sparse_ft.config.schema import fail
+from sparse_ft.config.bad_input import fail
 from sparse_ft.data.packing import TokenBlocks
 from sparse_ft.train.activations import reduce_activation_memory
 from sparse_ft.train.model_setup import load_base, train_through

@@ -37,7 +37,7 @@ def _rank_heads(core: Callable, module: torch.nn.Module, query: torch.Tensor, *a
 def register(model: torch.nn.Module, recipe: Recipe):
     """Make Ulysses the model's attention around its core attention (the toolkit's for a
     pattern, the model's own for ``full``) and create the SP groups; returns DeepSpeed's
-    mpu for ``deepspeed.initialize``. After ``use_attention``, before the engine."""
+    mpu for ``deepspeed.initialize``. After ``install_method``, before the engine."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -74,9 +74,9 @@ def shard_batches(rows: Callable[[int], dict], device: torch.device) -> Iterator
 class UlyssesEngine(DeepSpeedEngine):
     """DeepSpeed with the SP groups, and the loss of a sequence split over an SP group."""
 
-    def __init__(self, model: torch.nn.Module, recipe: Recipe, total_steps: int, ds_config: dict, *, mpu: Any) -> None:
+    def __init__(self, model: torch.nn.Module, recipe: Recipe, *, ds_config: dict, mpu: Any) -> None:
+        super().__init__(model, recipe, ds_config=ds_config)
         self.mpu = mpu
-        super().__init__(model, recipe, total_steps, ds_config)
 
     def loss(self, batch: dict) -> torch.Tensor:
         """The group's token mean as DeepSpeed and HF document it: each rank's token mean

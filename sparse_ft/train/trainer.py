@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from sparse_ft import console
 from sparse_ft.config import Recipe, format_recipe, save_resolved, summarize_recipe
-from sparse_ft.config.schema import one_line
+from sparse_ft.config.bad_input import one_line
 from sparse_ft.data.packing import TokenBlocks, build_train_dataset
 from sparse_ft.modeling.attention import AttentionNotCalled, checked_calls
 from sparse_ft.modeling.model_io import load_tokenizer, materialize_tiny
@@ -33,7 +33,7 @@ from sparse_ft.train.data_order import DataOrder, DataPosition, saved_position
 from sparse_ft.train.deepspeed import DeepSpeedEngine, resolve_deepspeed_config
 from sparse_ft.train.distributed import init_distributed
 from sparse_ft.train.engine import Engine
-from sparse_ft.train.fingerprint import check_data, check_resume, fingerprint
+from sparse_ft.train.fingerprint import check_resume, check_resume_data, fingerprint
 from sparse_ft.train.metrics import MetricLog, peak_memory_mib
 from sparse_ft.train.model_setup import base_model_path, build_model, training_method
 from sparse_ft.train.preflight import preflight
@@ -200,7 +200,7 @@ class Trainer:
         if self.resume_from is None:
             return 0, DataPosition()
         meta = checkpoint.read_meta(self.resume_from)
-        check_data(meta["data"], self.data_identity, self.recipe.train.resume_allow_changes, self.resume_from)
+        check_resume_data(meta["data"], self.data_identity, self.recipe.train.resume_allow_changes, self.resume_from)
         return meta["step"], saved_position(meta["data"], meta["fingerprint"], meta["world_size"], self.resume_from)
 
     def load_dataset(self) -> TokenBlocks:
@@ -228,12 +228,12 @@ class Trainer:
     def setup_engine(self) -> None:
         """The optimizer and schedule, through DeepSpeed when the recipe names a config."""
         if self.mpu is not None:
-            self.engine: Engine = sequence_parallel.UlyssesEngine(self.model, self.recipe, self.steps, self.ds_config,
-                                                                  mpu=self.mpu)
+            self.engine: Engine = sequence_parallel.UlyssesEngine.build(self.model, self.recipe, self.steps,
+                                                                        ds_config=self.ds_config, mpu=self.mpu)
         elif self.use_deepspeed:
-            self.engine = DeepSpeedEngine(self.model, self.recipe, self.steps, self.ds_config)
+            self.engine = DeepSpeedEngine.build(self.model, self.recipe, self.steps, ds_config=self.ds_config)
         else:
-            self.engine = Engine(self.model.to(self.device), self.recipe, self.steps)
+            self.engine = Engine.build(self.model.to(self.device), self.recipe, self.steps)
         self.model.train()
 
     def maybe_resume(self) -> None:
@@ -263,7 +263,8 @@ class Trainer:
         clock = SaveClock(t.save_minutes)
         self.signals.deferred = True
         quiet = self.rank != 0 or not self.progress
-        with tqdm(total=self.steps, initial=self.start, desc=console.bar_label(f"train {self.recipe.name}"), disable=quiet, unit="step") as bar:
+        with tqdm(total=self.steps, initial=self.start, desc=console.bar_label(f"train {self.recipe.name}"), disable=quiet,
+                  unit="step") as bar:
             for step in range(self.start, self.steps):
                 record = self._step(step)
                 problem = non_finite(record["loss"], record["grad_norm"], norm_expected=self.engine.non_finite_norm_expected())
@@ -370,7 +371,8 @@ class Trainer:
         accum = self.recipe.train.gradient_accumulation_steps
         position = self.order.advance(self.position, (step - self.start) * accum)
         data = {**self.data_identity, "micro_batches": step * accum, **position.to_json()}
-        meta = {"history": self.history, "validation": self.validations, "recipe": self.recipe.name, "data": data, "fingerprint": self.fingerprint}
+        meta = {"history": self.history, "validation": self.validations, "recipe": self.recipe.name, "data": data,
+                "fingerprint": self.fingerprint}
         try:
             checkpoint.save_checkpoint(self.engine, self.out, step, meta, keep=self.recipe.train.save_total_limit,
                                        adapter=self.adapter_meta())

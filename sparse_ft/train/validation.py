@@ -27,13 +27,13 @@ import torch
 
 from sparse_ft import methods
 from sparse_ft.config import Recipe
-from sparse_ft.config.schema import BadInput, fail
+from sparse_ft.config.bad_input import BadInput, fail
 from sparse_ft.data.sources import Keys
 from sparse_ft.evaluation import tasks
 from sparse_ft.evaluation.names import BadParameter, Names
-from sparse_ft.evaluation.tasks.generation import generation_tasks
+from sparse_ft.evaluation.tasks.generation import registered_ruler_tasks
 from sparse_ft.methods import Method
-from sparse_ft.modeling.attention import use_attention
+from sparse_ft.modeling.attention import install_method
 
 KEYS = Keys("validation.data", "data.text_column")  # what errors about the held-out data name
 
@@ -70,8 +70,8 @@ def _task_params(recipe: Recipe, name: str, held_out: Any) -> dict:
         longest = max(at) if isinstance(at, list) and at and all(isinstance(n, int) for n in at) else at
         return {"max_length": longest, **given}
     if name == "ruler":
-        return {"lengths": at, "tasks": generation_tasks(), **given}
-    if name in generation_tasks():
+        return {"lengths": at, "tasks": registered_ruler_tasks(), **given}
+    if name in registered_ruler_tasks():
         suite = {key: given.pop(key) for key in RULER_SUITE if key in given}
         return {"lengths": at, "tasks": [tasks.get(name, **given)], **suite}
     return {"lengths": at, **given}
@@ -101,7 +101,7 @@ def build_tasks(recipe: Recipe, held_out: Any = "") -> dict[str, tasks.Task]:
     for name in recipe.validation.tasks:
         if name not in tasks.names():
             fail("validation.tasks", recipe.validation.tasks, f"entries allowed: {', '.join(tasks.names())}")
-        runs_as = "ruler" if name in generation_tasks() else name
+        runs_as = "ruler" if name in registered_ruler_tasks() else name
         try:
             built[name] = tasks.get(runs_as, **_task_params(recipe, name, held_out))
         except (TypeError, ValueError) as err:
@@ -128,10 +128,10 @@ def check(recipe: Recipe, method: Method, zero_stage: Optional[int]) -> None:
                  f"{', '.join(generating)} generate(s), and a rank that stops generating first would leave the others "
                  "waiting in a forward; validate with ppl, or train with a ZeRO-1/2 config")
     if "ppl" in v.tasks:
-        from sparse_ft.evaluation.tokens import check_data
+        from sparse_ft.evaluation.tokens import check_eval_data
 
         try:
-            check_data(v.data, keys=KEYS)
+            check_eval_data(v.data, keys=KEYS)
         except (ValueError, OSError) as err:
             fail(KEYS.source, v.data, str(err).replace(f"{KEYS.source} ", "", 1))
     validating = validation_method(recipe, method)
@@ -233,7 +233,7 @@ class Validation:
         was_training = model.training
         model.eval()
         try:
-            use_attention(model, self.method)  # off the training pattern before any task runs
+            install_method(model, self.method)  # off the training pattern before any task runs
             with rng_untouched(), torch.no_grad(), autocast:
                 for name, task in self.tasks.items():
                     began = time.perf_counter()
@@ -242,7 +242,7 @@ class Validation:
                                     "seconds": time.perf_counter() - began, "metrics": metrics(name, rows),
                                     "rows": [_brief(r) for r in rows]})
         finally:
-            use_attention(model, self.training_method)
+            install_method(model, self.training_method)
             model.train(was_training)
         return records
 

@@ -4,7 +4,7 @@ below 4096 tokens each common word appears 6 times and each other word once, fro
 and 3 times (``freq_cw``, ``freq_ucw``); one worked example comes first (20 words, 3 and 1
 times; 40 words, 10 and 3 from 4096 on).
 
-Words come from ``sparse_ft.data.words`` (RULER's from the ``wonderwords`` package, a
+Words come from ``sparse_ft.evaluation.words`` (RULER's from the ``wonderwords`` package, a
 download here); a list longer than its single words also draws ``adjective-noun`` pairs.
 """
 
@@ -26,7 +26,7 @@ EXAMPLE_WORDS = {False: (20, 3, 1), True: (40, 10, 3)}  # (words, common repeats
 
 @cache
 def _pools() -> tuple[list[str], list[str]]:
-    from sparse_ft.data.words import needle_keys, single_words
+    from sparse_ft.evaluation.words import needle_keys, single_words
 
     single = single_words()
     return single, single + needle_keys()

@@ -1,12 +1,13 @@
-"""RULER-style tasks: a prompt composed from a random generator and a haystack size, fitted to
-a length in the model's own tokens (the largest haystack whose prompt plus the task's
-generation budget fits, as RULER's binary search over the haystack size does), answered by
-greedy decoding through a method, scored by RULER's string matching.
+"""Generation tasks: prompts answered by greedy decoding through a method and scored per sample,
+all through one loop (:meth:`GenerationTask.answer`): passkey retrieval and RULER's tasks.
 
-A task (:class:`GenerationTask`) is one module: ``niah``, ``variable_tracking``,
-``common_words``, ``frequent_words``. The suite that runs them over lengths and reports the
-effective context length is ``ruler``; each task's own sub-command is that suite on the task
-alone.
+A RULER task composes its prompt from a random generator and a haystack size, fitted to a
+length in the model's own tokens (the largest haystack whose prompt plus the task's generation
+budget fits, as RULER's binary search over the haystack size does), scored by RULER's string
+matching. Each is one module: ``niah``, ``variable_tracking``, ``common_words``,
+``frequent_words``. The suite that runs them over lengths and reports the effective context
+length is ``ruler``; each task's own sub-command is that suite on the task alone. ``passkey``
+builds its prompts to an exact length itself and has a command of its own.
 
 RULER's facts used here: the prompt a base model sees, template then answer prefix
 (``scripts/data/prepare.py``, ``scripts/pred/call_api.py``); max_seq_length counting the
@@ -76,6 +77,10 @@ class Prompt:
     def tokens(self) -> int:
         return len(self.context_ids) + len(self.question_ids)
 
+    @property
+    def answers(self) -> tuple[str, ...]:
+        return self.sample.answers
+
 
 def split_template(template: str, context: str, **fields: Any) -> tuple[str, str]:
     """``template`` (the task's template and answer prefix) filled, cut after ``{context}``."""
@@ -118,10 +123,13 @@ class TooShort(BadParameter):
 
 
 class GenerationTask(Task):
-    """A RULER task: subclasses say how a sample is composed (:meth:`compose`) and take their
-    settings (RULER's arguments, ``tokens_to_generate``) as constructor parameters. On the
-    command line each is also ``sparse-ft eval NAME``: the suite run on that task alone."""
+    """A task whose prompts the method answers by greedy decoding, each answer scored
+    (:meth:`answer`, :meth:`score`). A RULER task (``ruler_task``) says how a sample is
+    composed (:meth:`compose`) and takes its settings (RULER's arguments,
+    ``tokens_to_generate``) as constructor parameters; on the command line each is also
+    ``sparse-ft eval NAME``: the suite run on that task alone."""
 
+    ruler_task = True  # the ruler suite runs it; False: a task with prompts and a command of its own
     metric = "string_match_all"
     unit = "sentences"  # what the haystack size counts, for messages
     uses_essay = False  # draws its haystack from --haystack (RULER's Paul Graham essays)
@@ -164,7 +172,7 @@ class GenerationTask(Task):
         counted) plus ``tokens_to_generate`` is at most ``length`` tokens. Only the prompts'
         sizes are kept while searching (the one that fits is built again), so a search takes
         the memory of one prompt. ``names``: what a refusal calls the length."""
-        from sparse_ft.data.passkey_prompt import leading_specials, token_ids
+        from sparse_ft.evaluation.prompt_tokens import leading_specials, token_ids
 
         specials, tokens = leading_specials(tokenizer), {}
 
@@ -191,7 +199,29 @@ class GenerationTask(Task):
         """The sample's score in [0, 1], RULER's metric on RULER's clean-up of the prediction."""
         return METRICS[self.metric](postprocess(prediction), answers)
 
+    def budget(self, tokenizer: Any, prompt: Any) -> int:
+        """The most tokens the method may generate for ``prompt``."""
+        return self.tokens_to_generate
 
-def generation_tasks() -> list[str]:
-    """The registered RULER-style tasks, in registration order (RULER's)."""
-    return [n for n in TASKS.names() if isinstance(TASKS.factory(n), type) and issubclass(TASKS.factory(n), GenerationTask)]
+    def answer(self, model: Any, tokenizer: Any, method: Any, prompts: Sequence[Any], *,
+               advance: Callable[[], Any] = lambda: None) -> tuple[list[str], list[float]]:
+        """The method's greedy answer to each prompt (anything with ``context_ids``,
+        ``question_ids`` and ``answers``: a :class:`Prompt`, a passkey prompt), at most
+        :meth:`budget` new tokens, and its :meth:`score`: the one generation loop of every
+        generation task."""
+        import torch
+
+        outputs, scores = [], []
+        for prompt in prompts:
+            with torch.inference_mode():
+                new = method.generate(model, tokenizer, context_ids=prompt.context_ids,
+                                      question_ids=prompt.question_ids, max_new_tokens=self.budget(tokenizer, prompt))
+            outputs.append(tokenizer.decode(new, skip_special_tokens=True))
+            scores.append(self.score(outputs[-1], prompt.answers))
+            advance()
+        return outputs, scores
+
+
+def registered_ruler_tasks() -> list[str]:
+    """The registered RULER tasks, in registration order (RULER's)."""
+    return [n for n in TASKS.names() if getattr(TASKS.factory(n), "ruler_task", False)]

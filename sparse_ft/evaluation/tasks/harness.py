@@ -10,7 +10,7 @@ toolkit and lm-eval to run (a model repository's).
 
 The harness is the harness's: task configurations, prompts, few-shot, requests, metrics and
 their standard errors come from lm-eval, run through lm-eval's own ``HFLM``
-(``sparse_ft.evaluation.harness_lm`` says where and why it steps in). Ours: the model as
+(``sparse_ft.evaluation.method_hflm`` says where and why it steps in). Ours: the model as
 every ``eval`` task loads it, the method applied at ``--max-length``, the checks before the
 weights load, the results JSON and markdown table.
 """
@@ -23,7 +23,7 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
-from sparse_ft.config.strict import json_value
+from sparse_ft.files.strict import json_value
 from sparse_ft.evaluation.names import FLAGS, BadParameter, Names
 from sparse_ft.evaluation.tasks.base import Task, check_number, register
 
@@ -161,7 +161,7 @@ class Harness(Task):
         return {"--include-path": self.include_path}
 
     def check_method(self, method: Any) -> None:
-        from sparse_ft.evaluation.harness_lm import check_batch
+        from sparse_ft.evaluation.method_hflm import check_batch
 
         if not method.supports.ppl:
             raise ValueError(f"--method {method.name} cannot run harness tasks, which score and answer whole prompts: "
@@ -198,11 +198,11 @@ class Harness(Task):
         self.loaded = [item for name, item in (*loaded["groups"].items(), *loaded["tasks"].items()) if name not in children]
 
     def evaluate(self, model: Any, tokenizer: Any, method: Any) -> list[dict]:
-        from sparse_ft.evaluation import harness_lm
+        from sparse_ft.evaluation import method_hflm
         from sparse_ft.modeling.attention import pretrained
 
         length = self.max_length or int(pretrained(model).config.max_position_embeddings)
-        results = harness_lm.evaluate(model, tokenizer, method, tasks=self.loaded, task_manager=self.manager,
+        results = method_hflm.evaluate(model, tokenizer, method, tasks=self.loaded, task_manager=self.manager,
                                       max_length=length, limit=self.samples, batch_size=self.batch_size,
                                       num_fewshot=self.num_fewshot)
         self.details = {"lm_eval": self.version, "max_length": length, "n_shot": results.get("n-shot", {}),

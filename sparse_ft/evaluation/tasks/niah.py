@@ -2,7 +2,7 @@
 ``niah_multivalue``, ``niah_multiquery`` (RULER's ``scripts/synthetic.yaml`` settings).
 
 A needle is "One of the special magic {numbers} for {key} is: {value}."; keys are
-``adjective-noun`` words (``sparse_ft.data.words``; RULER's come from ``wonderwords``), 7-digit
+``adjective-noun`` words (``sparse_ft.evaluation.words``; RULER's come from ``wonderwords``), 7-digit
 numbers or UUIDs. The haystack is one of
 
 * ``noise``: the repeated sentence "The grass is green. The sky is blue. ..." (RULER's, which is
@@ -39,7 +39,7 @@ DEPTHS = [round(100 * i / 39) for i in range(40)]  # numpy.linspace(0, 100, 40),
 
 @cache
 def _word_keys() -> list[str]:
-    from sparse_ft.data.words import needle_keys
+    from sparse_ft.evaluation.words import needle_keys
 
     return needle_keys()
 
@@ -124,7 +124,7 @@ class Niah(GenerationTask):
                 if index - 1 < len(needles):
                     parts.append(needles[index - 1])
             return " ".join(parts)
-        from sparse_ft.data.passkey_prompt import FILLER  # RULER's noise: landmark's passkey filler
+        from sparse_ft.evaluation.passkey_prompt import FILLER  # RULER's noise: landmark's passkey filler
 
         lines = [FILLER] * size
         if self.haystack == "needle":

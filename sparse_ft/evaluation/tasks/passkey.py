@@ -1,18 +1,42 @@
-"""``passkey``: a 5-digit key hidden at chosen depths of filler text, over lengths x depths
-(landmark attention's prompt; the retrieval itself is ``sparse_ft.evaluation.passkey``)."""
+"""``passkey``: a 5-digit key hidden at chosen depths of filler text, over lengths x depths,
+recalled by greedy decoding with the KV cache through the generation tasks' one loop, exact
+match. The prompt is landmark attention's (``sparse_ft.evaluation.passkey_prompt``)."""
 
 from __future__ import annotations
 
 import argparse
+import random
+import re
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from sparse_ft.evaluation.names import FLAGS, BadParameter, Names
-from sparse_ft.evaluation.tasks.base import Task, check_memory, check_number, lengths_flag, register
+from sparse_ft.evaluation.tasks.base import check_memory, check_number, lengths_flag, register
+from sparse_ft.evaluation.tasks.generation import GenerationTask
+
+
+def retrieved(text: str, key: str) -> bool:
+    """Exact match: the first number the model writes is the key (a longer number, or one with
+    a wrong digit, is a miss)."""
+    found = re.search(r"\d+", text)
+    return found is not None and found.group() == key
+
+
+def keys(trials: int, seed: int) -> list[str]:
+    """The ``trials`` 5-digit keys of ``seed``: every cell asks the same ones."""
+    if trials < 1:  # a cell of no trials has no accuracy
+        raise ValueError(f"passkey: trials={trials} must be >= 1")
+    rng = random.Random(seed)
+    return [str(rng.randint(10000, 99999)) for _ in range(trials)]
 
 
 @register
-class Passkey(Task):
+class Passkey(GenerationTask):
+    """Its prompts are built to an exact length (not fitted from a haystack size), so it is no
+    RULER task: it has its own flags and rows, one per (length, depth)."""
+
+    ruler_task = False
     name = "passkey"
     summary = "passkey retrieval over lengths x needle depths"
     description = "passkey retrieval over lengths x needle depths (landmark attention's prompt)"
@@ -54,8 +78,7 @@ class Passkey(Task):
 
     def prepare(self, tokenizer: Any) -> None:
         """Every length holds the prompt without filler (task, needle, question)."""
-        from sparse_ft.data.passkey_prompt import shortest_prompt
-        from sparse_ft.evaluation.passkey import keys
+        from sparse_ft.evaluation.passkey_prompt import shortest_prompt
 
         shortest = shortest_prompt(tokenizer, keys(self.trials, self.seed))
         for length in self.lengths:
@@ -63,11 +86,41 @@ class Passkey(Task):
                 raise BadParameter(f"{self.names.entry('lengths', length)} is shorter than the passkey prompt without "
                                    f"filler: {shortest} tokens of this tokenizer")
 
-    def evaluate(self, model: Any, tokenizer: Any, method: Any) -> list[dict]:
-        from sparse_ft.evaluation import passkey
+    def score(self, prediction: str, answers: Sequence[str]) -> float:
+        return float(retrieved(prediction, answers[0]))
 
-        return passkey.evaluate(model, tokenizer, self.lengths, self.depths, trials=self.trials, method=method,
-                                seed=self.seed)
+    def budget(self, tokenizer: Any, prompt: Any) -> int:
+        """The key's tokens and three more."""
+        from sparse_ft.evaluation.prompt_tokens import token_ids
+
+        return len(token_ids(tokenizer, " " + prompt.key)) + 3
+
+    def evaluate(self, model: Any, tokenizer: Any, method: Any) -> list[dict]:
+        """One cell per (length, depth); every cell uses the same ``trials`` seeded keys, so cells
+        differ only in length and depth."""
+        from tqdm import tqdm
+
+        from sparse_ft import console
+        from sparse_ft.evaluation.passkey_prompt import build_prompt
+
+        asked = keys(self.trials, self.seed)
+        cells = []
+        bar = tqdm(total=len(self.lengths) * len(self.depths) * self.trials, desc=console.bar_label("passkey"),
+                   unit="trial")
+        for length in self.lengths:
+            method.apply(model, length)
+            for depth in self.depths:
+                began, outputs, hits = time.perf_counter(), [], 0.0
+                for key in asked:  # one prompt built at a time (check_memory counts one)
+                    prompt = build_prompt(tokenizer, length, depth, key)
+                    said, scores = self.answer(model, tokenizer, method, [prompt], advance=bar.update)
+                    outputs += said
+                    hits += scores[0]
+                cells.append({"length": length, "depth": depth, "accuracy": hits / self.trials, "trials": self.trials,
+                              "prompt_tokens": len(prompt.ids), "seconds": time.perf_counter() - began,
+                              "keys": asked, "outputs": outputs})
+        bar.close()
+        return cells
 
     def table(self, rows: list[dict], label: str) -> str:
         from sparse_ft.evaluation import report

@@ -89,7 +89,7 @@ class Perplexity(Task):
         """Text needs the model's tokenizer; a token file (or tokens given) none."""
         from sparse_ft.evaluation import tokens
 
-        return self.tokens is None and not tokens.check_data(str(self.data), self.data_dtype)
+        return self.tokens is None and not tokens.check_eval_data(str(self.data), self.data_dtype)
 
     def prepare(self, tokenizer: Any) -> None:
         """The data read before the weights load: a file without text costs seconds, not a load."""
@@ -105,14 +105,15 @@ class Perplexity(Task):
                              "--data (lower it or add data)")
 
     def evaluate(self, model: Any, tokenizer: Any, method: Any) -> list[dict]:
-        from sparse_ft.evaluation import ppl, tokens
+        from sparse_ft.evaluation import tokens, window_perplexity
 
         if self.tokens is None:
             self.prepare(tokenizer)
         if isinstance(self.data, (str, Path)):  # read for this model: its ids must be in its vocabulary
             tokens.check_vocabulary(self.tokens, model.get_output_embeddings().weight.shape[0], str(self.data))
-        return [ppl.evaluate_length(model, self.tokens, n, self.stride, scoring=self.scoring, method=method,
-                                    batch_size=self.batch_size, max_windows=self.max_windows)
+        return [window_perplexity.evaluate_length(model, self.tokens, n, self.stride, scoring=self.scoring,
+                                                  method=method, batch_size=self.batch_size,
+                                                  max_windows=self.max_windows)
                 for n in self.lengths]
 
     def table(self, rows: list[dict], label: str) -> str:

@@ -18,7 +18,7 @@ from sparse_ft import console
 from sparse_ft.evaluation.effective_length import RULER_THRESHOLD
 from sparse_ft.evaluation.names import BadParameter, Names, flags
 from sparse_ft.evaluation.tasks.base import TASKS, Task, check_memory, check_number, lengths_flag, register
-from sparse_ft.evaluation.tasks.generation import GenerationTask, Prompt, TooShort, generation_tasks
+from sparse_ft.evaluation.tasks.generation import GenerationTask, Prompt, TooShort, registered_ruler_tasks
 
 LENGTHS = "4096,8192,16384,32768,65536,131072"  # RULER's table
 FLAGS = flags({"fraction": "--relative-threshold"})
@@ -88,7 +88,7 @@ class Ruler(Task):
                        "may generate, as RULER counts them (comma list)")
         if suite:
             p.add_argument("--tasks", default=None, help="comma list (default: every RULER task: "
-                           f"{', '.join(generation_tasks())})")
+                           f"{', '.join(registered_ruler_tasks())})")
         p.add_argument("--samples", type=int, default=25, help="samples per task and length (RULER's runs use 500)")
         p.add_argument("--seed", type=int, default=0, help="seed of the samples: the same seed gives the same samples")
         p.add_argument("--haystack", default=None, help="UTF-8 text file the essay-haystack tasks (niah_single_2/3, "
@@ -109,10 +109,10 @@ class Ruler(Task):
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, names: Optional[list[str]] = None) -> "Ruler":
-        from sparse_ft.config.keyvalue import parse_assignments
+        from sparse_ft.files.keyvalue import parse_assignments
 
         lengths = lengths_flag(args.lengths)
-        allowed = generation_tasks()
+        allowed = registered_ruler_tasks()
         if names is None:
             names = [n for n in (args.tasks or ",".join(allowed)).split(",") if n]
             for name in names:
@@ -143,11 +143,11 @@ class Ruler(Task):
         lengths each task can build, whose prompts (all kept until the weights load) fit in
         memory. The shortest prompt needs the tokenizer (:meth:`prepare`)."""
         super().check(names)
-        allowed = generation_tasks()
+        allowed = registered_ruler_tasks()
         if not self.tasks:
             raise BadParameter(f"{names.say('tasks', [])} must name RULER tasks: {', '.join(allowed)}")
         for task in self.tasks:
-            if not isinstance(task, GenerationTask):
+            if not isinstance(task, GenerationTask) or not task.ruler_task:
                 raise BadParameter(f"{names.entry('tasks', task.name)} is not a RULER task; allowed: {', '.join(allowed)}")
         run = [t.name for t in self.tasks]
         if len(set(run)) < len(run):
@@ -223,16 +223,8 @@ class Ruler(Task):
     def _run(self, model: Any, tokenizer: Any, method: Any, *, task: GenerationTask, length: int, prompts: list[Prompt],
              advance: Callable[[], Any] = lambda: None) -> dict:
         """One task at one length: greedy answers through the method, each scored."""
-        import torch
-
-        began, outputs, scores = time.perf_counter(), [], []
-        for prompt in prompts:
-            with torch.inference_mode():
-                new = method.generate(model, tokenizer, context_ids=prompt.context_ids, question_ids=prompt.question_ids,
-                                      max_new_tokens=task.tokens_to_generate)
-            outputs.append(tokenizer.decode(new, skip_special_tokens=True))
-            scores.append(task.score(outputs[-1], prompt.sample.answers))
-            advance()
+        began = time.perf_counter()
+        outputs, scores = task.answer(model, tokenizer, method, prompts, advance=advance)
         return {"task": task.name, "length": length, "score": 100 * sum(scores) / len(scores), "samples": len(prompts),
                 "prompt_tokens": [p.tokens for p in prompts], "haystack": [p.size for p in prompts],
                 "tokens_to_generate": task.tokens_to_generate, "seconds": time.perf_counter() - began,

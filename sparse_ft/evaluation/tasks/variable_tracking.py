@@ -50,7 +50,7 @@ class VariableTracking(GenerationTask):
 
     def setup(self, tokenizer: Any, essay: Sequence[str]) -> None:
         """The example's noise: the most lines that keep it within 500 tokens (at least 5)."""
-        from sparse_ft.data.passkey_prompt import token_ids
+        from sparse_ft.evaluation.prompt_tokens import token_ids
 
         def fits(size: int) -> bool:
             context, question = self._prompt(random.Random("vt example"), size, example=True)[:2]
@@ -72,7 +72,7 @@ class VariableTracking(GenerationTask):
             chain = names[first:first + hops + 1]
             chains.append([f"VAR {chain[0]} = {rng.randint(10000, 99999)}"] +
                           [f"VAR {chain[j + 1]} = VAR {chain[j]} " for j in range(hops)])
-        from sparse_ft.data.passkey_prompt import FILLER  # RULER's noise: landmark's passkey filler
+        from sparse_ft.evaluation.passkey_prompt import FILLER  # RULER's noise: landmark's passkey filler
 
         lines = [FILLER] * size
         for chain in chains:

@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from sparse_ft.config.keyvalue import parse_assignments
-from sparse_ft.modeling.dtypes import NAMES as DTYPES
+from sparse_ft.files.keyvalue import parse_assignments
+from sparse_ft.modeling import dtypes
 
 HELP = "merge a trained adapter into its base model"
 
@@ -30,7 +30,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", required=True, type=Path,
                    help="directory for the merged model (safetensors); new, empty, or an earlier output with --overwrite")
     p.add_argument("--overwrite", action="store_true", help="replace --output when it holds an earlier sparse-ft output")
-    p.add_argument("--dtype", choices=DTYPES, default="float32", help="dtype the merge runs and saves in")
+    p.add_argument("--dtype", choices=dtypes.NAMES, default="float32", help="dtype the merge runs and saves in")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the base model's own code")
     p.add_argument("--method", choices=("dca",), default=None,
                    help="also write Qwen's dual_chunk_attention_config, which SGLang serves for Qwen2/Qwen3 models (default: none)")

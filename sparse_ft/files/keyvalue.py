@@ -8,7 +8,7 @@ from typing import Any, Iterable
 
 import yaml
 
-from sparse_ft.config.strict import yaml_value
+from sparse_ft.files.strict import yaml_value
 
 
 def parse_assignments(items: Iterable[str], flag: str, shape: str = "key=value") -> list[tuple[str, Any]]:
@@ -16,7 +16,7 @@ def parse_assignments(items: Iterable[str], flag: str, shape: str = "key=value")
 
     A value YAML cannot read (a glob such as ``*.jsonl``, an unbalanced bracket) stays text:
     whoever takes the key checks the value and names it. A value the strict reader refuses (an
-    anchor, a key given twice: ``sparse_ft.config.strict``) is a ``ValueError``, never text.
+    anchor, a key given twice: ``sparse_ft.files.strict``) is a ``ValueError``, never text.
     ``flag`` and ``shape`` name the argument in the error."""
     out = []
     for item in items:

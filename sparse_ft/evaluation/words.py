@@ -63,7 +63,7 @@ accept admire advise agree allow amuse arrange arrive ask attach bake balance
 bathe beg behave believe blink boil borrow bounce breathe brush build bury calculate call carry
 carve catch change charge chase cheer chew clap climb collect comb compare complain cook copy
 count cover crawl cross cry dance decide deliver describe dig discover divide drag draw dream
-drift drink drive earn enjoy enter escape examine explain fetch fill fix float fold 
+drift drink drive earn enjoy enter escape examine explain fetch fill fix float fold
 forgive gather glow grab greet grow guard guess hang help hide hike hope hug hum hunt imagine
 invent invite jog join juggle jump kick kneel knit knock laugh lead learn lift listen live
 march marry measure melt mend move nod notice obey offer open order paint pass pause pick plant

@@ -28,7 +28,7 @@ import torch
 from lm_eval import simple_evaluate
 from lm_eval.models.huggingface import HFLM
 
-from sparse_ft.data.passkey_prompt import leading_specials
+from sparse_ft.evaluation.prompt_tokens import leading_specials
 from sparse_ft.methods import Method
 
 

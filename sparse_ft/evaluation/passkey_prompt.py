@@ -1,7 +1,7 @@
 """The passkey prompt (landmark attention's ``run_test.py``, also LongLoRA's
 ``passkey_retrivial.py``): task, filler, needle, filler, question, joined by newlines. The
-evaluator asks it (``sparse_ft.evaluation.passkey``) and the tiny corpus trains on it
-(``sparse_ft.data.passkey_docs``), so both see exactly the same text.
+evaluator asks it (``sparse_ft.evaluation.tasks.passkey``) and the tiny corpus trains on it
+(``sparse_ft.experiment.passkey_docs``), so both see exactly the same text.
 
 Unlike landmark's, the filler is cut in tokens of the model's tokenizer, so the prompt has
 exactly the requested length and the needle sits after exactly ``round(depth * filler_tokens)``
@@ -11,6 +11,8 @@ filler tokens; both fillers start at the beginning of the repeated filler text, 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from sparse_ft.evaluation.prompt_tokens import leading_specials, token_ids
 
 TASK = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. "
         "I will quiz you about the important information there.")
@@ -36,21 +38,9 @@ class Prompt:
     def ids(self) -> list[int]:
         return self.context_ids + self.question_ids
 
-
-def token_ids(tokenizer, text: str) -> list[int]:
-    """The text's ids alone: no BOS or EOS, so pieces join into one prompt."""
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
-def leading_specials(tokenizer) -> list[int]:
-    """The BOS (or similar) the tokenizer puts in front of a text, if it does; never the EOS
-    some tokenizers append, which would end the prompt."""
-    plain = token_ids(tokenizer, "a")
-    full = tokenizer("a")["input_ids"]
-    for start in range(len(full) - len(plain) + 1):
-        if full[start : start + len(plain)] == plain:
-            return list(full[:start])
-    return []
+    @property
+    def answers(self) -> tuple[str, ...]:
+        return (self.key,)
 
 
 def _filler(tokenizer, count: int) -> list[int]:

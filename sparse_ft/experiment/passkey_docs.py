@@ -1,5 +1,5 @@
 """Synthetic passkey documents for training: the evaluator's own prompt
-(``sparse_ft.data.passkey_prompt.build_prompt``) followed by its answer, sized to a window.
+(``sparse_ft.evaluation.passkey_prompt.build_prompt``) followed by its answer, sized to a window.
 
 A model can only be asked to retrieve a passkey past its pretraining length if it retrieves
 one inside it. At byte level the prompt's task header nearly fills a 256-token window, so
@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import random
 
-from sparse_ft.data.passkey_prompt import TASK, build_prompt, token_ids
+from sparse_ft.evaluation.passkey_prompt import TASK, build_prompt
+from sparse_ft.evaluation.prompt_tokens import token_ids
 
 
 def answer_ids(tokenizer, key: str) -> list[int]:
