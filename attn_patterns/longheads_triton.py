@@ -146,7 +146,7 @@ def _tiles(q: torch.Tensor) -> tuple[int, int, int, int]:
 
 
 def cuda_tiles(q: torch.Tensor) -> tuple[int, int, int, int]:
-    """The GPU's tiles for q's head dim and dtype, whatever q's device (tests/triton_ptx.py)."""
+    """The GPU's tiles for q's head dim and dtype, whatever q's device (tests/attn_patterns/triton_ptx.py)."""
     width = triton.next_power_of_2(q.shape[-1]) * q.element_size()
     return (64 if width <= 128 else 32), 32, 4, 2
 

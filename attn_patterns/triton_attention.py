@@ -111,7 +111,7 @@ def _tiles(q: torch.Tensor) -> tuple[Tiles, Tiles, Tiles]:
 
 
 def cuda_tiles(q: torch.Tensor) -> tuple[Tiles, Tiles, Tiles]:
-    """The GPU's tiles for q's head dim and dtype (whatever q's device: tests/triton_ptx.py
+    """The GPU's tiles for q's head dim and dtype (whatever q's device: tests/attn_patterns/triton_ptx.py
     compiles the GPU's launches on a machine without one)."""
     width = max(16, triton.next_power_of_2(q.shape[-1])) * q.element_size()  # bytes per row
     if width <= 128:

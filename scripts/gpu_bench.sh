@@ -162,8 +162,8 @@ part3() {
 
 quick() {
     machine
-    gpu_tests 100 tests/test_triton_attention.py tests/test_dca_triton.py tests/test_longheads_triton.py \
-        tests/test_memory_snapshot.py
+    gpu_tests 100 tests/attn_patterns/test_triton_attention.py tests/attn_patterns/test_dca_triton.py tests/attn_patterns/test_longheads_triton.py \
+        tests/bench/test_memory_snapshot.py
     attention 110 16384,32768,65536,131072
     # LongHeads through its one kernel (the torch path: dca-prefill-h100.md)
     bench 60 dca-prefill-longheads-triton dca --dtype bf16 --lengths 32768,65536,131072 --heads 32 --kv-heads 8 \
@@ -181,8 +181,9 @@ rest() {
     WROTE+=("$RES/fit-8b-$GPU.json" "$RES/fit-8b-$GPU.md")
     step 180 fit-8b "$PY" scripts/fit_length.py --lengths 98304,106496 --output "$RES/fit-8b-$GPU.json" --overwrite
     # the gpu tests quick did not run; DeepSpeed's (a minute of FusedAdam JIT build) passed on the H200 (gpu-tests-h200.md)
-    gpu_tests 100 tests/test_gpu.py tests/test_flex.py tests/test_bench.py tests/test_loss.py tests/test_activations.py \
-        tests/test_packed_sequences.py -k "not deepspeed"
+    gpu_tests 100 tests/attn_patterns/test_cuda_kernels.py tests/train/test_cuda_training.py tests/evaluation/test_cuda_nf4.py \
+        tests/attn_patterns/test_flex.py tests/bench/test_bench.py tests/modeling/test_loss.py tests/modeling/test_activations.py \
+        tests/data/test_packed_sequences.py -k "not deepspeed"
 }
 
 exec > >(tee "$LOG") 2>&1

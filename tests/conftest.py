@@ -1,4 +1,8 @@
+"""What every test runs under: no hub, Triton's interpreter without a GPU, ``gpu``-marked
+tests skipped without CUDA, the repository's root importable by child processes."""
+
 import os
+from pathlib import Path
 
 # Nothing in the suite may wait on a hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -23,3 +27,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+# Child processes (DeepSpeed's ranks, a run killed and resumed, a test file run as a script)
+# import the shared test helpers as ``tests.<wing>.<module>``: the repository's root is on
+# their path as it is on pytest's.
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
+                                                         os.environ.get("PYTHONPATH")]))

@@ -27,7 +27,7 @@ from sparse_ft.files.strict import json_value
 from sparse_ft.evaluation.names import FLAGS, BadParameter, Names
 from sparse_ft.evaluation.tasks.base import Task, check_number, register
 
-SUPPORTED = ">=0.4.13,<0.5"  # pyproject.toml's harness extra (tests/test_harness.py checks they agree)
+SUPPORTED = ">=0.4.13,<0.5"  # pyproject.toml's harness extra (tests/evaluation/test_harness.py checks they agree)
 INSTALL = "pip install '.[harness]' in a checkout of sparse-ft (no release exists yet)"
 
 

@@ -1,0 +1,1 @@
+"""Tests of the patterns, DCA, LongHeads and their kernels (``attn_patterns``)."""

@@ -1,0 +1,1 @@
+"""Tests of the benchmarks (``sparse_ft.bench``)."""

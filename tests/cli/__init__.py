@@ -1,0 +1,1 @@
+"""Tests of the command line: help, the console, stdout (``sparse_ft.cli``)."""

@@ -1,0 +1,1 @@
+"""Tests of the training data pipeline (``sparse_ft.data``)."""

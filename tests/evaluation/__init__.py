@@ -1,0 +1,1 @@
+"""Tests of perplexity, passkey, RULER, the harness, generation and serving (``sparse_ft.evaluation``)."""

@@ -1,0 +1,91 @@
+"""The tiny base's corpus (``sparse_ft.experiment.corpus``): deterministic bytes for the same
+settings, train/validation split and whole blocks, passkey documents that fit their block,
+hold the needle and use the evaluator's own prompt; bad arguments named."""
+
+import hashlib
+import random
+
+import pytest
+
+from sparse_ft.experiment.corpus import build_corpus, is_validation, load_blocks
+from sparse_ft.experiment.passkey_docs import passkey_document
+from sparse_ft.evaluation.passkey_prompt import QUESTION, build_prompt, needle
+from sparse_ft.data.stdlib_text import iter_stdlib_documents
+from sparse_ft.evaluation.tokens import load_tokens
+from sparse_ft.modeling.tiny import tiny_tokenizer
+
+MODULES = ("heapq", "textwrap", "string", "fractions", "queue", "bisect")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tiny_tokenizer()
+
+
+def _val_percent() -> float:
+    """Hold out exactly the module with the lowest hash bucket, whatever this Python's sources are."""
+    buckets = sorted(int(hashlib.sha256(t.encode()).hexdigest()[:8], 16) % 10000 for t in iter_stdlib_documents(MODULES))
+    return (buckets[0] + buckets[1]) / 200
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory, tokenizer):
+    out = tmp_path_factory.mktemp("corpus")
+    return out, build_corpus(out, tokenizer, context=256, passkey_fraction=0.5, val_percent=_val_percent(), modules=MODULES)
+
+
+def test_corpus_is_deterministic(corpus, tokenizer, tmp_path):
+    out, manifest = corpus
+    again = build_corpus(tmp_path, tokenizer, context=256, passkey_fraction=0.5, val_percent=_val_percent(), modules=MODULES)
+    assert again == manifest
+    for name in ("train.bin", "val.bin"):
+        assert (tmp_path / name).read_bytes() == (out / name).read_bytes()
+    other = build_corpus(tmp_path / "seed1", tokenizer, context=256, passkey_fraction=0.5, val_percent=_val_percent(),
+                         modules=MODULES, seed=1)
+    assert other["sha256"]["train.bin"] != manifest["sha256"]["train.bin"]
+    assert other["sha256"]["val.bin"] == manifest["sha256"]["val.bin"]  # the split does not depend on the seed
+
+
+def test_splits_and_blocks(corpus, tokenizer):
+    out, manifest = corpus
+    assert manifest["files"] == {"train": len(MODULES) - 1, "validation": 1}
+    blocks = load_blocks(out)
+    assert blocks.shape == (manifest["train_blocks"], 256)
+    starts = [tokenizer.decode(b[:60].tolist()) for b in blocks]
+    questions = sum(("What is the pass key?" in tokenizer.decode(b.tolist())) for b in blocks)
+    assert questions >= manifest["passkey_blocks"] > 0.3 * len(blocks)
+    assert any(s.startswith("There is an important info") for s in starts)
+    val = load_tokens(str(out / "val.bin"), tokenizer, 384)
+    assert len(val) == manifest["val_tokens"] and "What is the pass key" not in tokenizer.decode(val[:5000].tolist())
+    held_out = [t for t in iter_stdlib_documents(MODULES) if is_validation(t, _val_percent())]
+    assert tokenizer.decode(val[:200].tolist()) == held_out[0][:200]
+
+
+def test_passkey_documents_fit_and_hold_the_needle(tokenizer):
+    rng = random.Random(0)
+    with_task = 0
+    for _ in range(100):
+        ids, key = passkey_document(tokenizer, 255, rng)
+        text = tokenizer.decode(ids)
+        assert len(ids) <= 255
+        assert needle(key) in text and text.endswith(f"{QUESTION} {key}.")
+        with_task += text.startswith("There is an important info")
+    assert 20 < with_task < 80
+
+
+def test_passkey_documents_use_the_evaluators_prompt(tokenizer):
+    rng = random.Random(3)
+    for _ in range(20):
+        ids, key = passkey_document(tokenizer, 255, rng)
+        if tokenizer.decode(ids).startswith("There is"):
+            prompt = build_prompt(tokenizer, len(ids) - 7, 0.0, key)
+            assert ids[: len(prompt.ids)][:150] == prompt.ids[:150]
+            return
+    pytest.fail("no document kept the task header")
+
+
+def test_bad_arguments_name_the_value(tokenizer, tmp_path):
+    with pytest.raises(ValueError, match="passkey_fraction=2"):
+        build_corpus(tmp_path, tokenizer, passkey_fraction=2, modules=MODULES)
+    with pytest.raises(ValueError, match="max_tokens=50"):
+        passkey_document(tokenizer, 50, random.Random(0))

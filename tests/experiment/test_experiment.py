@@ -1,0 +1,238 @@
+"""``sparse-ft experiment`` on a micro setting: rows, tables and plots written; RULER per row
+with both effective lengths; finished rows reused, changed settings retrained, an interrupted
+training resumed, row keys the same in every clone, plots redrawn alone; bad names refused."""
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+from sparse_ft.experiment.run import QUICK, ExperimentConfig, Runner, config_from_args
+from sparse_ft.modeling.model_io import materialize_tiny
+
+MODULES = ["heapq", "textwrap", "bisect", "queue", "string", "fractions"]
+
+
+@pytest.fixture(scope="module")
+def experiment(tmp_path_factory):
+    root = tmp_path_factory.mktemp("experiment")
+    base = materialize_tiny(root / "base", 0, hidden_size=32, intermediate_size=64, num_hidden_layers=1)
+    cfg = ExperimentConfig(base=str(base), output=str(root / "out"), runs=str(root / "runs"), patterns=["s2"], seeds=[0, 1], steps=2,
+                           ppl_factors=[1, 2], passkey_factors=[1, 2], free_methods=["vanilla", "pi", "dca_intra", "parallelcomp"],
+                           free_factors=[1, 2], ppl_windows=1, passkey_trials=1, passkey_depths=[0.5],
+                           data=str(root / "data"), modules=MODULES, val_percent=50,
+                           ruler_tasks=["niah_single_2"], ruler_factors=[2], ruler_samples=1)
+    return cfg, Runner(cfg).run()
+
+
+def test_rows_tables_and_plots(experiment):
+    cfg, results = experiment
+    out = Path(cfg.output)
+    names = [r["name"] for r in results["rows"]]
+    assert names == ["s2-seed0", "s2-seed1", "vanilla", "pi", "dca_intra", "parallelcomp"]
+    for name in ("results.json", "tables.md", "ppl_vs_length.png", "passkey_ft_s2.png", "passkey_free_pi.png"):
+        assert (out / name).stat().st_size > 0, name
+    tables = (out / "tables.md").read_text()
+    assert "| s2 | " in tables and " ± " in tables  # two seeds: mean and spread
+    assert "| parallelcomp | n/a | n/a |" in tables  # it cannot score PPL, only passkey
+    ablation = next(r for r in results["rows"] if r["name"] == "dca_intra")
+    assert ablation["params"] == {"pieces": "intra"} and ablation["ppl"][0]["ppl"] > 0
+    row = results["rows"][0]
+    assert [r["length"] for r in row["ppl"]] == [256, 512] and {c["length"] for c in row["passkey"]} == {256, 512}
+    adapter = json.loads((Path(cfg.runs) / "s2-seed0" / "adapter" / "sparse_ft.json").read_text())
+    assert adapter["rope_parameters"]["factor"] == 4.0 and adapter["train_attention"]["pattern"] == "s2"  # PI 1024/256
+
+
+def test_ruler_per_row_with_both_effective_lengths(experiment):
+    cfg, results = experiment
+    for row in results["rows"]:
+        ruler = row["ruler"]
+        assert [(r["task"], r["length"], r["samples"]) for r in ruler["rows"]] == [("niah_single_2", 512, 1)]
+        effective = ruler["summary"]["effective_length"]
+        assert effective["ruler"]["threshold"] == 85.6
+        # the base's 256 tokens hold no niah_single_2 prompt: no relative threshold, and the note says why
+        assert effective["relative"]["threshold"] is None and "256 is shorter" in effective["relative"]["note"]
+    tables = (Path(cfg.output) / "tables.md").read_text()
+    assert "## RULER" in tables and "| s2 (fine-tuned) | " in tables and "| dca_intra | " in tables
+    assert "n/a: the base's pretraining length 256 is shorter" in tables
+
+
+def test_changed_ruler_settings_keep_training_and_the_other_scores(experiment, tmp_path):
+    """RULER is cached apart from the rest of a row: more samples re-run RULER alone (no
+    retraining, PPL and passkey kept), and the quick budget leaves RULER out."""
+    import shutil
+
+    cfg, results = experiment
+    out = tmp_path / "out"
+    shutil.copytree(cfg.output, out)
+    stamp = Path(cfg.runs) / "s2-seed0" / "experiment_train.json"
+    trained = stamp.stat().st_mtime_ns
+    more = ExperimentConfig(**{**cfg.__dict__, "output": str(out), "seeds": [0], "free_methods": ["vanilla"],
+                               "ruler_samples": 2})
+    rows = Runner(more).run()["rows"]
+    assert stamp.stat().st_mtime_ns == trained
+    assert [r["ruler"]["rows"][0]["samples"] for r in rows] == [2, 2]
+    kept = {r["name"]: r for r in results["rows"]}
+    assert all(r["ppl"] == kept[r["name"]]["ppl"] and r["passkey"] == kept[r["name"]]["passkey"] for r in rows)
+    assert QUICK["ruler_tasks"] == []
+
+
+def test_an_interrupted_training_run_resumes(experiment, tmp_path):
+    """A run stopped before its adapter was written (a preempted experiment) resumes from its
+    checkpoint on the next invocation, though the recipe says resume: never."""
+    import shutil
+
+    cfg, results = experiment
+    runs = tmp_path / "runs"
+    shutil.copytree(Path(cfg.runs) / "s2-seed0", runs / "s2-seed0", symlinks=True)
+    (runs / "s2-seed0" / "experiment_train.json").unlink()
+    shutil.rmtree(runs / "s2-seed0" / "adapter")
+    assert sorted(p.name for p in (runs / "s2-seed0").glob("checkpoint-*")) == ["checkpoint-2"]
+    again = ExperimentConfig(**{**cfg.__dict__, "output": str(tmp_path / "out"), "runs": str(runs), "seeds": [0],
+                                "free_methods": [], "ruler_tasks": []})
+    row = Runner(again).run()["rows"][0]
+    ppl = [r["ppl"] for r in row["ppl"]]
+    assert ppl == [r["ppl"] for r in results["rows"][0]["ppl"]]  # the same adapter, resumed at its last step
+
+
+def test_rerun_reuses_finished_rows(experiment):
+    """A rerun that changes nothing writes nothing: rows, results.json, tables and plots are
+    committed, and a clone that reruns the experiment stays clean."""
+    cfg, results = experiment
+    written = sorted(p for p in Path(cfg.output).rglob("*") if p.is_file())
+    before = {p: p.stat().st_mtime_ns for p in written}
+    again = Runner(cfg).run()
+    assert {p: p.stat().st_mtime_ns for p in written} == before
+    assert [r["ppl"] for r in again["rows"]] == [r["ppl"] for r in results["rows"]]
+
+
+def test_row_keys_are_the_same_in_every_clone(tmp_path, monkeypatch):
+    """A row's key names the repository's paths relative to it: two clones at different places
+    key a row alike (a clone elsewhere reuses the committed rows, and results.json records no
+    clone's path), while a changed input (the base's weights) still changes the key."""
+    import shutil
+
+    from sparse_ft import methods
+    from sparse_ft.config import loader
+    from sparse_ft.config.paths import REPO_ROOT
+    from sparse_ft.experiment import run
+
+    def keys(root: Path) -> tuple[str, str, dict]:
+        for part in ("recipes", "assets/tiny-base"):
+            if not (root / part).exists():
+                shutil.copytree(REPO_ROOT / part, root / part)
+        monkeypatch.chdir(root)
+        for module in (run, loader):
+            monkeypatch.setattr(module, "REPO_ROOT", root)
+        monkeypatch.setattr(loader, "RECIPE_DIRS", [root / "recipes"])
+        cfg = ExperimentConfig(base=str(root / "assets/tiny-base"), recipe=str(root / "recipes/experiment/tiny_4x.yaml"),
+                               **{k: v for k, v in QUICK.items() if k in ("output", "runs", "steps")})
+        runner = Runner(cfg)
+        runner.jsonl = Path(cfg.data) / "ctx1024-0123456789abcdef" / "train.jsonl"  # where data() puts it
+        recipe = runner._recipe("s2", 0, f"{cfg.runs}/s2-seed0")
+        assert recipe.data.source.startswith(str(root)) and recipe.model.name_or_path.startswith(str(root))
+        return runner._fine_tuned_key(recipe), runner._free_key(methods.get("dca")), run.portable(asdict(cfg))
+
+    one = keys(tmp_path / "one")
+    assert keys(tmp_path / "elsewhere" / "two") == one
+    assert one[2]["base"] == "assets/tiny-base" and one[2]["recipe"] == "recipes/experiment/tiny_4x.yaml"
+    weights = tmp_path / "one" / "assets" / "tiny-base" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1] + b"\x01")  # a re-pretrained base: both rows are stale
+    assert all(a != b for a, b in zip(keys(tmp_path / "one")[:2], one[:2]))
+    monkeypatch.setattr(run, "REPO_ROOT", tmp_path / "one")
+    assert run.portable(["/elsewhere/base", "assets/x", ("linear", 4)]) == ["/elsewhere/base", "assets/x", ["linear", 4]]
+
+
+def test_changed_settings_retrain_over_the_finished_run(experiment, tmp_path):
+    """The runs directory holds a finished run of 2 steps; 3 steps there start afresh (the
+    trainer would otherwise refuse to resume a run of other settings)."""
+    cfg, _ = experiment
+    changed = ExperimentConfig(**{**cfg.__dict__, "output": str(tmp_path / "out"), "seeds": [0], "steps": 3,
+                                  "free_methods": ["vanilla"]})
+    row = Runner(changed).run()["rows"][0]
+    assert row["name"] == "s2-seed0" and len(row["loss_curve"]) == 3
+
+
+def test_quick_flag_and_bad_names(experiment, tmp_path):
+    import argparse
+
+    cfg, _ = experiment
+    args = argparse.Namespace(base=cfg.base, output=None, runs=None, recipe=cfg.recipe, quick=True, patterns=None,
+                              seeds=None, steps=None, free_methods=None, rope_method="linear")
+    quick = config_from_args(args)
+    assert quick.steps == QUICK["steps"] and quick.output == QUICK["output"] and quick.seeds == [0]
+    yarn = config_from_args(argparse.Namespace(**(vars(args) | {"rope_method": "yarn"})))
+    assert yarn.output == QUICK["output"] + "-yarn" and yarn.runs == QUICK["runs"] + "-yarn"  # PI results kept
+    with pytest.raises(ValueError, match="'s3'"):
+        ExperimentConfig(base=cfg.base, patterns=["s3"]).validate()
+    with pytest.raises(ValueError, match="ruler_tasks 'niah'"):
+        ExperimentConfig(base=cfg.base, ruler_tasks=["niah"]).validate()
+    with pytest.raises(FileNotFoundError, match="--base"):
+        ExperimentConfig(base=str(tmp_path / "none")).validate()
+
+
+def test_a_changed_method_default_is_a_new_row(experiment, monkeypatch):
+    """Rows are keyed on every parameter of the method, defaults included: when a default
+    changes (LongHeads' keep_previous did), the old row is not reused."""
+    cfg, _ = experiment
+    rows = Path(cfg.output) / "rows"
+    before = (rows / "dca_intra.json").stat().st_mtime_ns
+    import attn_patterns.dca
+
+    defaults = attn_patterns.dca.DualChunkAttention.__init__.__kwdefaults__
+    changed = {name: "chunkllama" if d == "paper" else d for name, d in defaults.items()}
+    monkeypatch.setattr(attn_patterns.dca.DualChunkAttention.__init__, "__kwdefaults__", changed)
+    Runner(ExperimentConfig(**{**cfg.__dict__, "patterns": [], "free_methods": ["dca_intra"]})).run()
+    assert (rows / "dca_intra.json").stat().st_mtime_ns != before
+
+
+def test_replot_redraws_only_the_plots(experiment, tmp_path, capsys):
+    """The plots are redrawn from results.json alone: the tables and results stay byte for byte,
+    and a folder without results refuses in one line."""
+    from sparse_ft.cli import main
+    from sparse_ft.files.outputs import written_by
+
+    cfg, _ = experiment
+    out = Path(cfg.output)
+    kept = {name: (out / name).read_bytes() for name in ("results.json", "tables.md")}
+    pngs = sorted(p.name for p in out.glob("*.png"))
+    before = {name: (out / name).stat().st_mtime_ns for name in pngs}
+    capsys.readouterr()
+    assert main(["experiment", "--output", str(out), "--replot"]) == 0
+    drawn = [line.removeprefix("wrote ") for line in capsys.readouterr().out.splitlines()]
+    rows = json.loads(kept["results.json"])["rows"]  # the last run's rows: earlier tests ran other settings here
+    expected = {"ppl_vs_length.png"} | {f"passkey_ft_{r['pattern']}.png" if r["kind"] == "fine-tuned" else
+                                        f"passkey_free_{r['name']}.png" for r in rows}
+    assert sorted(Path(p).name for p in drawn) == sorted(expected)
+    assert {name: (out / name).read_bytes() for name in kept} == kept
+    assert sorted(p.name for p in out.glob("*.png")) == pngs
+    assert all(Path(p).stat().st_mtime_ns != before[Path(p).name] for p in drawn)
+    assert written_by(out / "ppl_vs_length.png") == "sparse-ft"
+    assert main(["experiment", "--output", str(tmp_path / "empty"), "--replot"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "holds no results.json" in err
+
+
+def test_ablation_rows_keep_the_tiny_base_settings():
+    """An ablation row differs from its method's row by the ablated setting alone."""
+    from sparse_ft.experiment.run import free_methods
+
+    rows = free_methods()
+    assert rows["longheads"] == ("longheads", {"chunk_size": 32})
+    assert rows["longheads_paper"] == ("longheads", {"chunk_size": 32, "keep_previous": False})
+
+
+def test_a_method_that_cannot_take_rulers_prompts_is_reported_not_run(experiment, tmp_path, monkeypatch):
+    """ParallelComp needs its chunk and the question inside C; RULER's questions can be longer
+    (260 bytes on the tiny base): that row says why it has no RULER score, the others go on."""
+    from sparse_ft.experiment import run
+
+    cfg, _ = experiment
+    monkeypatch.setitem(run.TINY_BASE_PARAMS, "parallelcomp", {"chunk_size": 200})
+    again = ExperimentConfig(**{**cfg.__dict__, "output": str(tmp_path / "out"), "patterns": [],
+                                "free_methods": ["vanilla", "parallelcomp"]})
+    rows = Runner(again).run()["rows"]
+    assert "summary" in rows[0]["ruler"] and "must fit pretraining_length=256" in rows[1]["ruler"]["not_run"]
+    tables = (tmp_path / "out" / "tables.md").read_text()
+    assert "| parallelcomp | — | n/a | n/a |" in tables and "parallelcomp: not run: parallelcomp: chunk_size=200" in tables

@@ -1,0 +1,1 @@
+"""Tests of what the commands write and never overwrite (``sparse_ft.files``)."""

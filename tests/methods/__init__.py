@@ -1,0 +1,1 @@
+"""Tests of the training-free methods' model glue (``sparse_ft.methods``)."""

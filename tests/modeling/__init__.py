@@ -1,0 +1,1 @@
+"""Tests of the patterns inside transformers models (``sparse_ft.modeling``)."""

@@ -1,0 +1,1 @@
+"""Tests of the memory planner (``sparse_ft.plan``)."""

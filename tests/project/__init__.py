@@ -1,0 +1,1 @@
+"""Tests of the project as a whole: layering, docs, lock, packaging, registries, integrations."""
