@@ -9,6 +9,9 @@ them (``able`` in ``variable``) are left out: an answer that repeats the prompt 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from functools import cached_property
+
 ADJECTIVES = tuple("""
 absent abundant acidic active actual adorable afraid agile alert alive amber ancient angry
 annual anxious arctic average awake bald bare basic bitter blank bleak blind blond blunt bold
@@ -82,3 +85,22 @@ def needle_keys() -> list[str]:
 def single_words() -> list[str]:
  """The nouns, adjectives and verbs as one sorted list (RULER's common-words pool)."""
  return sorted(set(NOUNS) | set(ADJECTIVES) | set(VERBS))
+
+
+@dataclass(frozen=True)
+class Words:
+    """What a synthetic task draws its words from: ``single`` words (common-words extraction's
+    pool) and ``keys`` (the needles' ``words`` keys). The evaluation's are :data:`EVALUATION`;
+    the experiment's pretraining corpus draws its retrieval documents from other lists
+    (``sparse_ft.experiment.retrieval_docs``), so no evaluated key was ever trained on."""
+
+    single: tuple[str, ...]
+    keys: tuple[str, ...]
+
+    @cached_property
+    def pool(self) -> tuple[str, ...]:
+        """The single words, then the keys: what a list longer than the single words draws."""
+        return self.single + self.keys
+
+
+EVALUATION = Words(single=tuple(single_words()), keys=tuple(needle_keys()))

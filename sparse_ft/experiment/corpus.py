@@ -21,11 +21,13 @@ import json
 import platform
 import random
 from pathlib import Path
-from typing import Iterable, Optional
+from collections import Counter
+from typing import Iterable, Optional, Sequence
 
 import numpy as np
 from tqdm import tqdm
 
+from sparse_ft.experiment import retrieval_docs
 from sparse_ft.experiment.passkey_docs import passkey_document
 from sparse_ft.data.stdlib_text import iter_stdlib_documents
 from sparse_ft.data.token_files import TOKEN_DTYPES, dtype_for, sha256_file, write_token_file, write_tokens
@@ -44,14 +46,25 @@ def is_validation(text: str, val_percent: float) -> bool:
 
 def build_corpus(output_dir: Path, tokenizer, context: int = 256, passkey_fraction: float = PASSKEY_FRACTION,
                  *, val_percent: float = 5.0, seed: int = 0, modules: Optional[Iterable[str]] = None,
-                 max_blocks: Optional[int] = None) -> dict:
+                 max_blocks: Optional[int] = None, retrieval_tasks: Sequence[str] = ("passkey",),
+                 text_passes: int = 1) -> dict:
     """Write train.bin, val.bin and corpus.json under ``output_dir``; return the manifest.
 
     ``modules=None`` takes every top-level module of the standard library; ``max_blocks``
-    stops early (the validation split is unchanged).
+    stops early (the validation split is unchanged). ``passkey_fraction`` of the blocks open
+    with a retrieval document, of a kind drawn uniformly from ``retrieval_tasks``: ``passkey``
+    and RULER's task names (:mod:`sparse_ft.experiment.retrieval_docs`); passkeys alone by
+    default, which draws exactly what this corpus drew before RULER's kinds existed.
+    ``text_passes``: lay the text out that many times, each pass with fresh documents (more
+    distinct retrieval documents than one pass of the text holds).
     """
     if not 0.0 <= passkey_fraction <= 1.0:
         raise ValueError(f"passkey_fraction={passkey_fraction} must be within [0, 1]")
+    kinds = list(dict.fromkeys(retrieval_tasks))
+    if not kinds:
+        raise ValueError("retrieval_tasks is empty; name passkey and/or RULER tasks")
+    if not isinstance(text_passes, int) or text_passes < 1:
+        raise ValueError(f"text_passes={text_passes!r} must be an integer >= 1")
     if not 0.0 < val_percent < 100.0:
         raise ValueError(f"val_percent={val_percent} must be within (0, 100)")
     eos = tokenizer.eos_token_id
@@ -59,31 +72,42 @@ def build_corpus(output_dir: Path, tokenizer, context: int = 256, passkey_fracti
         raise ValueError("the tokenizer has no eos_token_id; documents are separated by EOS")
     train: list[int] = []
     val: list[int] = []
+    texts: list[str] = []  # the training split, for RULER's documents: their word lists and essay haystacks
     files = {"train": 0, "validation": 0}
     for text in tqdm(list(iter_stdlib_documents(modules)), desc="tokenize stdlib", unit="module"):
         split = "validation" if is_validation(text, val_percent) else "train"
         files[split] += 1
         (val if split == "validation" else train).extend(tokenizer(text, add_special_tokens=False)["input_ids"] + [eos])
+        if split == "train" and kinds != ["passkey"]:
+            texts.append(text)
     if not val or not train:
         raise ValueError(f"val_percent={val_percent} leaves {files} modules per split; both need at least one")
 
+    others = [k for k in kinds if k != "passkey"]
+    ruler = retrieval_docs.ruler_tasks(others, tokenizer, retrieval_docs.training_words(texts)) if others else {}
+    essay = [word for text in texts for word in text.split()]
     rng = random.Random(seed)
     blocks: list[list[int]] = []
-    keys: list[str] = []
-    pos = 0
+    opened: Counter[str] = Counter()  # the blocks each kind of document opens
+    pos, passes = 0, 1
     while max_blocks is None or len(blocks) < max_blocks:
+        block, kind = [], None
         if rng.random() < passkey_fraction:
-            doc, key = passkey_document(tokenizer, context - 1, rng)
-            block = doc + [eos]
-            keys.append(key)
-        else:
-            block = []
+            kind = kinds[0] if len(kinds) == 1 else rng.choice(kinds)
+            if kind == "passkey":
+                block = passkey_document(tokenizer, context - 1, rng)[0] + [eos]
+            else:
+                start = rng.randrange(max(1, len(essay) - 4 * context))
+                block = retrieval_docs.retrieval_document(ruler[kind], tokenizer, context - 1, rng,
+                                                          seed=f"pretrain:{seed}:{len(blocks)}",
+                                                          essay=essay[start : start + 4 * context]) + [eos]
         take = context - len(block)
         if pos + take > len(train):
-            if block:
-                keys.pop()
-            break
+            if passes == text_passes:
+                break
+            passes, pos = passes + 1, 0  # the text again, with fresh documents
         blocks.append(block + train[pos : pos + take])
+        opened[kind or "text"] += 1
         pos += take
 
     output_dir = Path(output_dir)
@@ -96,8 +120,11 @@ def build_corpus(output_dir: Path, tokenizer, context: int = 256, passkey_fracti
         "python": platform.python_version(),
         "modules": "all top-level stdlib modules" if modules is None else list(modules),
         "files": files, "context": context, "max_blocks": max_blocks, "dtype": dtype, "seed": seed,
-        "passkey_fraction": passkey_fraction, "val_percent": val_percent,
-        "train_blocks": len(blocks), "passkey_blocks": len(keys), "train_tokens": len(blocks) * context,
+        "passkey_fraction": passkey_fraction, "retrieval_tasks": kinds, "text_passes": text_passes,
+        "val_percent": val_percent,
+        "tokenizer": type(tokenizer).__name__, "vocab_size": vocab,
+        "train_blocks": len(blocks), "passkey_blocks": opened["passkey"],
+        "retrieval_blocks": {k: opened[k] for k in kinds}, "train_tokens": len(blocks) * context,
         "text_tokens_used": pos, "val_tokens": len(val),
         "sha256": {"train.bin": sha256_file(train_path), "val.bin": sha256_file(val_path)},
     }

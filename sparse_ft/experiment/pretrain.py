@@ -59,8 +59,14 @@ class PretrainConfig:
     eval_windows: int = 200  # validation windows of `context` tokens for the final PPL
     passkey_trials: int = 10  # per needle depth at the full window
     passkey_depths: list[float] = field(default_factory=lambda: [0.0, 0.5, 1.0])
+    tokenizer: str = "byte"  # byte: the committed base's; bpe: assets/tiny-bpe (RULER's prompts fit 1,024 tokens)
+    retrieval_tasks: list[str] = field(default_factory=lambda: ["passkey"])  # the corpus's retrieval documents
 
     def validate(self) -> None:
+        if self.tokenizer not in TOKENIZERS:
+            raise ValueError(f"tokenizer={self.tokenizer!r} is unknown; allowed: {', '.join(TOKENIZERS)}")
+        if not self.retrieval_tasks:
+            raise ValueError("retrieval_tasks is empty; name passkey and/or RULER tasks (all: every one)")
         if self.save_dtype not in dtypes.NAMES:
             raise ValueError(f"save_dtype={self.save_dtype!r} is unknown; allowed: {', '.join(dtypes.NAMES)}")
         for key in ("steps", "batch_size", "context", "log_every", "eval_windows", "num_attention_heads",
@@ -72,6 +78,32 @@ class PretrainConfig:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads={self.num_attention_heads} must be a multiple of "
                              f"num_key_value_heads={self.num_key_value_heads}")
+
+
+TOKENIZERS = ("byte", "bpe")
+
+
+def load_tokenizer(cfg: PretrainConfig):
+    """The tokenizer ``cfg`` names: the byte tokenizer or the committed BPE (``assets/tiny-bpe``)."""
+    if cfg.tokenizer == "bpe":
+        from sparse_ft.experiment.tokenizer import TOKENIZER_DIR
+        from sparse_ft.modeling.model_io import load_tokenizer as load
+
+        return load(str(TOKENIZER_DIR))
+    from sparse_ft.modeling.tiny import tiny_tokenizer
+
+    return tiny_tokenizer()
+
+
+def retrieval_kinds(names: list[str]) -> list[str]:
+    """``names`` with ``all`` expanded to passkey and every registered RULER task."""
+    from sparse_ft.evaluation.tasks.generation import registered_ruler_tasks
+
+    every = ["passkey", *registered_ruler_tasks()]
+    unknown = [n for n in names if n not in every and n != "all"]
+    if unknown:
+        raise ValueError(f"retrieval_tasks: {', '.join(map(repr, unknown))} unknown; allowed: {', '.join(every)} or all")
+    return list(dict.fromkeys(k for n in names for k in (every if n == "all" else [n])))
 
 
 def train_section(cfg: PretrainConfig, output_dir: Path) -> TrainSection:
@@ -98,6 +130,8 @@ def recipe_for(cfg: PretrainConfig, output_dir: Path, init_from: Optional[Path] 
 
     dims = {key: getattr(cfg, key) for key in ("hidden_size", "intermediate_size", "num_hidden_layers",
                                               "num_attention_heads", "num_key_value_heads")}
+    if cfg.tokenizer != "byte":  # the byte tokenizer's ids are the tiny model's own vocabulary
+        dims["vocab_size"] = len(load_tokenizer(cfg))
     model = (ModelSection(name_or_path=BUILT_IN, tiny={**dims, "max_position_embeddings": cfg.context}, dtype="float32",
                           target_length=cfg.context) if init_from is None else
              ModelSection(name_or_path=str(init_from), dtype="float32", target_length=cfg.context))
@@ -182,34 +216,48 @@ def save(model, tokenizer, stats: dict, output: Path, *, save_dtype: str, overwr
 
 def pretrain(cfg: PretrainConfig, corpus: Path = CORPUS_DIR, output: Path = ASSET_DIR, progress: bool = True,
              *, init_from: Optional[Path] = None, passkey_fraction: Optional[float] = None,
-             max_blocks: Optional[int] = None, overwrite: bool = False) -> dict:
+             max_blocks: Optional[int] = None, text_passes: int = 1, overwrite: bool = False) -> dict:
     """Build the corpus if missing, train, evaluate, save; returns the stats written (with the
     stats of ``init_from``'s training under ``previous_phase``). ``output`` is checked first:
     apart from the inputs, and an earlier output of this command only with ``overwrite``."""
     from sparse_ft.experiment.corpus import PASSKEY_FRACTION, build_corpus, load_blocks
     from sparse_ft.evaluation.tokens import load_tokens
     from sparse_ft.files.outputs import check_apart, check_output_dir
-    from sparse_ft.modeling.tiny import tiny_tokenizer
 
     corpus, output = Path(corpus), Path(output)
     cfg.validate()  # before the corpus is built: a bad setting costs seconds, not minutes
+    kinds = retrieval_kinds(cfg.retrieval_tasks)
     if corpus.exists() and not corpus.is_dir():
         raise ValueError(f"--corpus {corpus} is a file; a corpus is a directory (scripts/build_corpus.py writes one)")
     if passkey_fraction is not None and not 0 <= passkey_fraction <= 1:
         raise ValueError(f"--passkey-fraction {passkey_fraction} must be within [0, 1]")
     if max_blocks is not None and max_blocks < 1:
         raise ValueError(f"--max-blocks {max_blocks} must be >= 1")
+    if text_passes < 1:
+        raise ValueError(f"--text-passes {text_passes} must be >= 1")
     check_apart(output, "--output", {"--corpus": corpus, "--init-from": init_from and Path(init_from)})
     check_output_dir(output, overwrite)
     build = not (corpus / "corpus.json").exists()
     if build:  # into a new or empty directory: its files have fixed names
         check_apart(corpus, "--corpus", {"--init-from": init_from and Path(init_from)})
         check_output_dir(corpus, False, "--corpus")
-    tokenizer = tiny_tokenizer()
+    tokenizer = load_tokenizer(cfg)
     if build:
         print(f"building the corpus in {corpus} (scripts/build_corpus.py)")
         build_corpus(corpus, tokenizer, context=cfg.context, seed=cfg.seed, max_blocks=max_blocks,
-                     passkey_fraction=PASSKEY_FRACTION if passkey_fraction is None else passkey_fraction)
+                     passkey_fraction=PASSKEY_FRACTION if passkey_fraction is None else passkey_fraction,
+                     retrieval_tasks=kinds, text_passes=text_passes)
+    else:  # a corpus built for other settings would train, silently, on other tokens
+        try:
+            built = dict(json.loads((corpus / "corpus.json").read_text()))
+        except (ValueError, TypeError):  # not a manifest: load_blocks says so, naming the file
+            built = {}
+        want = {"tokenizer": type(tokenizer).__name__, "retrieval_tasks": kinds}
+        before = {"tokenizer": "ByT5Tokenizer", "retrieval_tasks": ["passkey"]}  # corpora built before these keys
+        wrong = {k: built.get(k, before[k]) for k in want if built.get(k, before[k]) != want[k]}
+        if wrong:
+            raise ValueError(f"--corpus {corpus} was built with {wrong}, these settings need "
+                             f"{ {k: want[k] for k in wrong} }; name a new --corpus directory")
     previous = None
     if init_from is not None:
         stats_file = Path(init_from) / STATS_FILE
@@ -245,11 +293,19 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace --output when it holds an earlier sparse-ft output")
     for key, text in FLAGS.items():
         p.add_argument("--" + key.replace("_", "-"), type=type(getattr(defaults, key)), default=getattr(defaults, key), help=text)
+    p.add_argument("--tokenizer", choices=TOKENIZERS, default=defaults.tokenizer,
+                   help="byte (the committed base's) or bpe (assets/tiny-bpe: RULER's prompts fit a 1,024-token context)")
+    p.add_argument("--retrieval-tasks", type=lambda s: [t for t in s.split(",") if t], default=defaults.retrieval_tasks,
+                   help="the kinds of retrieval document the corpus mixes in, when built here: passkey and/or RULER task "
+                        "names, comma-separated, or all (default: passkey)")
     p.add_argument("--save-dtype", default=defaults.save_dtype, choices=dtypes.NAMES, help="dtype of the saved weights")
     p.add_argument("--init-from", type=Path, default=None, help="continue from this checkpoint, a second phase (default: a fresh model)")
     p.add_argument("--passkey-fraction", type=float, default=None,
-                   help="share of passkey documents when the corpus is built here (default: scripts/build_corpus.py's)")
+                   help="share of blocks that open with a retrieval document (--retrieval-tasks), when the corpus is "
+                        "built here (default: scripts/build_corpus.py's)")
     p.add_argument("--max-blocks", type=int, default=None, help="when the corpus is built here: stop after N blocks (default: no limit)")
+    p.add_argument("--text-passes", type=int, default=1,
+                   help="when the corpus is built here: lay its text out N times, each with fresh retrieval documents")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's; 1 is much faster when other jobs share the cores)")
     p.set_defaults(func=run)
@@ -265,7 +321,7 @@ def run(args) -> int:
     keys = PretrainConfig.__dataclass_fields__
     cfg = PretrainConfig(**{k: v for k, v in vars(args).items() if k in keys})
     stats = pretrain(cfg, args.corpus, args.output, init_from=args.init_from, passkey_fraction=args.passkey_fraction,
-                     max_blocks=args.max_blocks, overwrite=args.overwrite)
+                     max_blocks=args.max_blocks, text_passes=args.text_passes, overwrite=args.overwrite)
     ev = stats["evaluation"]
     print(f"{stats['tokens']} tokens, {stats['steps']} steps in {stats['train_seconds']:.0f} s; final loss "
           f"{stats['final_loss']:.3f}; val PPL@{cfg.context} {ev['val_ppl']:.3f}; passkey accuracy "

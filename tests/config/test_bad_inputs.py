@@ -819,6 +819,13 @@ CLI_CASES = {
     "pretrain passkey fraction above 1": (
         ["pretrain", "--passkey-fraction", "2", "--corpus", "OUT/c", "--output", "OUT/p"], None,
         r"--passkey-fraction 2.0 must be within \[0, 1\]"),
+    "pretrain with an unknown retrieval task": (
+        ["pretrain", "--retrieval-tasks", "passkey,nope", "--corpus", "OUT/c", "--output", "OUT/p"], None,
+        r"retrieval_tasks: 'nope' unknown; allowed: passkey, niah_single_1, .*, fwe or all"),
+    "pretrain on a corpus of another tokenizer": (
+        ["pretrain", "--tokenizer", "bpe", "--corpus", "DATA", "--output", "OUT/p", "--steps", "1"],
+        lambda tmp, adapter: _write(tmp / "c" / "corpus.json", '{"dtype": "uint16", "context": 256}').parent,
+        r"--corpus .* was built with \{'tokenizer': 'ByT5Tokenizer'\}, these settings need \{'tokenizer': "),
     "pretrain corpus manifest that is not one": (
         ["pretrain", "--corpus", "DATA", "--output", "OUT/p", "--steps", "1"],
         lambda tmp, adapter: _write(tmp / "c" / "corpus.json", "{}").parent,

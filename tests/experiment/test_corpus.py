@@ -1,6 +1,7 @@
 """The tiny base's corpus (``sparse_ft.experiment.corpus``): deterministic bytes for the same
 settings, train/validation split and whole blocks, passkey documents that fit their block,
-hold the needle and use the evaluator's own prompt; bad arguments named."""
+hold the needle and use the evaluator's own prompt, RULER's documents answered in the
+training word lists; bad arguments named."""
 
 import hashlib
 import random
@@ -89,3 +90,42 @@ def test_bad_arguments_name_the_value(tokenizer, tmp_path):
         build_corpus(tmp_path, tokenizer, passkey_fraction=2, modules=MODULES)
     with pytest.raises(ValueError, match="max_tokens=50"):
         passkey_document(tokenizer, 50, random.Random(0))
+
+
+def test_ruler_documents_open_blocks_with_their_answers_and_training_words(tmp_path):
+    """With RULER's kinds (BPE: their prompts need ~1k tokens) every block opens with a prompt in
+    the evaluation's template and its reference answer, then EOS; keys and word pools are the
+    training lists, disjoint from every word the evaluation draws."""
+    from sparse_ft.evaluation.words import EVALUATION
+    from sparse_ft.experiment.pretrain import PretrainConfig, load_tokenizer
+    from sparse_ft.experiment.retrieval_docs import training_words
+
+    words = training_words(t for t in iter_stdlib_documents(MODULES) if not is_validation(t, _val_percent()))
+    assert not set(words.single) & set(EVALUATION.pool) and not set(words.keys) & set(EVALUATION.keys)
+    bpe = load_tokenizer(PretrainConfig(tokenizer="bpe"))
+    kinds = ["niah_single_1", "vt", "cwe"]
+    manifest = build_corpus(tmp_path, bpe, context=1024, passkey_fraction=1.0, modules=MODULES, val_percent=_val_percent(),
+                            max_blocks=6, retrieval_tasks=kinds, seed=3)
+    assert manifest["retrieval_tasks"] == kinds and sum(manifest["retrieval_blocks"].values()) == 6
+    for block in load_blocks(tmp_path):
+        ids = list(block)
+        text = bpe.decode(ids[: ids.index(bpe.eos_token_id)])
+        if "special magic number" in text:
+            key = text.rsplit("for ", 1)[1].split(" mentioned")[0]
+            assert key in words.keys and text.endswith(".") and text.rsplit(" ", 1)[1][:-1].isdigit()
+        elif "VAR " in text:
+            assert text.rstrip().split()[-1].isupper()
+        else:
+            assert "most common words" in text and text.split()[-1] in words.single
+
+
+def test_text_passes_lay_the_text_out_again_with_fresh_documents(corpus, tokenizer, tmp_path):
+    _, once = corpus
+    twice = build_corpus(tmp_path, tokenizer, context=256, passkey_fraction=0.5, val_percent=_val_percent(), modules=MODULES,
+                         text_passes=2)
+    assert twice["text_passes"] == 2 and abs(twice["train_blocks"] - 2 * once["train_blocks"]) <= 0.05 * once["train_blocks"]
+    blocks = load_blocks(tmp_path)
+    half = len(blocks) // 2
+    assert not any((blocks[i] == blocks[half + i]).all() for i in range(half))  # the second pass draws anew
+    with pytest.raises(ValueError, match=r"^text_passes=0 must be an integer >= 1$"):
+        build_corpus(tmp_path / "x", tokenizer, context=256, modules=MODULES, val_percent=_val_percent(), text_passes=0)

@@ -11,6 +11,7 @@ from tests import ROOT
 
 
 def test_tree_passes_ruff():
+    assert (ROOT / "pyproject.toml").is_file(), ROOT  # the repository, not a folder above it
     done = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", str(ROOT)], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]

@@ -11,7 +11,6 @@ download here); a list longer than its single words also draws ``adjective-noun`
 from __future__ import annotations
 
 import random
-from functools import cache
 
 from sparse_ft.evaluation.tasks.base import register
 from sparse_ft.evaluation.tasks.generation import GenerationTask, Sample, split_template
@@ -22,14 +21,6 @@ TEMPLATE = ("Below is a numbered list of words. In these words, some appear more
             " Answer: The top {num_cw} words that appear most often in the list are:")
 LONG = 4096  # RULER's repeats change at this length
 EXAMPLE_WORDS = {False: (20, 3, 1), True: (40, 10, 3)}  # (words, common repeats, other repeats), by length >= LONG
-
-
-@cache
-def _pools() -> tuple[list[str], list[str]]:
-    from sparse_ft.evaluation.words import needle_keys, single_words
-
-    single = single_words()
-    return single, single + needle_keys()
 
 
 def numbered(words: list[str]) -> str:
@@ -61,11 +52,11 @@ class CommonWords(GenerationTask):
     @property
     def max_size(self) -> int:
         """Every word it draws from, each listed once at least."""
-        return len(_pools()[1])
+        return len(self.word_lists.pool)
 
     def _listing(self, rng: random.Random, count: int, common: int, other: int) -> tuple[str, list[str]]:
-        single, every = _pools()
-        chosen = rng.sample(single if count <= len(single) else every, count)
+        words = self.word_lists
+        chosen = rng.sample(words.single if count <= len(words.single) else words.pool, count)
         listed = chosen[:self.num_cw] * common + chosen[self.num_cw:] * other
         rng.shuffle(listed)
         return numbered(listed), chosen[:self.num_cw]
@@ -79,3 +70,6 @@ class CommonWords(GenerationTask):
         context, answer = self._listing(rng, size, *repeats)
         head, question = split_template(TEMPLATE, context, num_cw=self.num_cw)
         return Sample(shots + head, question, tuple(answer))
+
+    def reference(self, sample: Sample) -> str:
+        return " " + numbered(list(sample.answers))

@@ -26,6 +26,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from sparse_ft.evaluation.names import FLAGS, BadParameter, Names
 from sparse_ft.evaluation.tasks.base import TASKS, Task
+from sparse_ft.evaluation.words import EVALUATION
 
 
 # --- scoring (scripts/eval/synthetic/constants.py, scripts/eval/evaluate.py) -------------------
@@ -135,6 +136,7 @@ class GenerationTask(Task):
     uses_essay = False  # draws its haystack from --haystack (RULER's Paul Graham essays)
     tokens_to_generate = 32
     picture = "heatmap"
+    word_lists = EVALUATION  # what it draws words from (an instance may take others: Words)
 
     @property
     def min_size(self) -> int:
@@ -194,6 +196,11 @@ class GenerationTask(Task):
             raise BadParameter(f"{names.entry('lengths', length)} is longer than {self.name} can fill: its {size} {self.unit} "
                                f"make prompts of at most {tokens[size] + self.tokens_to_generate} tokens of this tokenizer")
         return build(size)
+
+    def reference(self, sample: Sample) -> str:
+        """The answer as the prompt's own example writes it after the answer prefix: what a
+        model trained on such documents learns to generate."""
+        return " " + " ".join(sample.answers)
 
     def score(self, prediction: str, answers: Sequence[str]) -> float:
         """The sample's score in [0, 1], RULER's metric on RULER's clean-up of the prediction."""

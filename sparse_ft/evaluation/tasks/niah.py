@@ -22,7 +22,6 @@ from __future__ import annotations
 import random
 import re
 import uuid
-from functools import cache
 from typing import Any, Sequence
 
 from sparse_ft.evaluation.tasks.base import register
@@ -37,20 +36,13 @@ NEEDLE = "One of the special magic {type_needle_v} for {key} is: {value}."
 DEPTHS = [round(100 * i / 39) for i in range(40)]  # numpy.linspace(0, 100, 40), rounded: RULER's insertion depths (%)
 
 
-@cache
-def _word_keys() -> list[str]:
-    from sparse_ft.evaluation.words import needle_keys
-
-    return needle_keys()
-
-
-def draw(rng: random.Random, kind: str) -> str:
-    """A key or value of ``kind``: ``numbers`` (7 digits), ``words`` (adjective-noun), ``uuids``."""
+def draw(rng: random.Random, kind: str, keys: Sequence[str]) -> str:
+    """A key or value of ``kind``: ``numbers`` (7 digits), ``words`` (one of ``keys``), ``uuids``."""
     if kind == "numbers":
         return str(rng.randint(10**6, 10**7 - 1))
     if kind == "uuids":
         return str(uuid.UUID(int=rng.getrandbits(128), version=4))
-    return rng.choice(_word_keys())
+    return rng.choice(keys)
 
 
 def split_sentences(text: str) -> list[str]:
@@ -95,10 +87,10 @@ class Niah(GenerationTask):
         keys: list[str] = []
         values: list[list[str]] = []
         while len(keys) < max(self.num_keys, self.num_queries):
-            key = draw(rng, self.key_type)
+            key = draw(rng, self.key_type, self.word_lists.keys)
             if key not in keys:  # distinct keys: an asked key has one set of values
                 keys.append(key)
-                values.append([draw(rng, self.value_type) for _ in range(self.num_values)])
+                values.append([draw(rng, self.value_type, self.word_lists.keys) for _ in range(self.num_values)])
         needles = [NEEDLE.format(type_needle_v=self.value_type, key=k, value=v) for k, vs in zip(keys, values) for v in vs]
         rng.shuffle(needles)
         context = self._haystack(rng, size, needles, keys)
@@ -111,6 +103,9 @@ class Niah(GenerationTask):
             kind = kind[:-1]
         head, question = split_template(template, context, type_needle_v=kind, query=query)
         return Sample(head, question, tuple(v for i in asked for v in values[i]))
+
+    def reference(self, sample: Sample) -> str:
+        return " " + ", ".join(sample.answers) + "."
 
     def _haystack(self, rng: random.Random, size: int, needles: list[str], keys: list[str]) -> str:
         if self.uses_essay:
@@ -129,10 +124,10 @@ class Niah(GenerationTask):
         lines = [FILLER] * size
         if self.haystack == "needle":
             for index in range(size):
-                key = draw(rng, self.key_type)
+                key = draw(rng, self.key_type, self.word_lists.keys)
                 while key in keys:
-                    key = draw(rng, self.key_type)
-                lines[index] = NEEDLE.format(type_needle_v=self.value_type, key=key, value=draw(rng, self.value_type))
+                    key = draw(rng, self.key_type, self.word_lists.keys)
+                lines[index] = NEEDLE.format(type_needle_v=self.value_type, key=key, value=draw(rng, self.value_type, self.word_lists.keys))
         for index, needle in zip(sorted(rng.sample(range(size), len(needles)), reverse=True), needles):
             lines.insert(index, needle)
         return "\n".join(lines)

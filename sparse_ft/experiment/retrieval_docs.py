@@ -1,0 +1,84 @@
+"""Retrieval documents for the tiny base's pretraining corpus: RULER's prompts, answered.
+
+A base forms retrieval heads only if its pretraining asks it to retrieve, at every depth and
+distance it will be evaluated at (issue 33: a base trained on passkeys alone copied from a few
+tokens back and retrieved by luck of the seed). So besides passkey documents the corpus may
+hold every RULER task's prompt, in the evaluation's own templates, followed by its answer as
+the prompt's examples write it (:meth:`GenerationTask.reference`): the needle tasks, variable
+tracking, common and frequent words. What keeps training and evaluation apart:
+
+- other words: needle keys and common-words pools come from :func:`training_words`, words of
+  the standard library's text that none of the evaluation's lists holds;
+- other draws: a document's random stream is seeded ``"pretrain:{seed}:{index}"``, a space
+  the evaluation's seeds (``task|length|sample``) never take;
+- lengths drawn uniformly up to the block (from the task's shortest prompt), so needles sit at
+  every depth and distance inside the context.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections import Counter
+from typing import Any, Iterable, Sequence
+
+from sparse_ft.evaluation.words import EVALUATION, Words
+
+# single words and keys of each kind: RULER's pools are ~800 words and ~90k keys
+SINGLE_WORDS = 600
+KEY_PARTS = 300
+
+
+def training_words(texts: Iterable[str]) -> Words:
+    """The most frequent lowercase words (4-10 letters) of ``texts`` (the corpus's training
+    split) that the evaluation's lists do not hold, ranked by count then spelling (the same
+    on every machine with the same Python): the first ``SINGLE_WORDS`` as common words, keys
+    as pairs of the next ``2 × KEY_PARTS`` (first half, second half), like ``adjective-noun``
+    (fewer of each from a small text)."""
+    taken = set(EVALUATION.single) | {part for key in EVALUATION.keys for part in key.split("-")}
+    counts: Counter[str] = Counter()
+    for text in texts:
+        counts.update(w for w in re.findall(r"\b[a-z]{4,10}\b", text) if w not in taken)
+    ranked = sorted(counts, key=lambda w: (-counts[w], w))
+    cut = min(SINGLE_WORDS, len(ranked) // 3)  # a small text (tests) still gives all three lists
+    part = min(KEY_PARTS, (len(ranked) - cut) // 2)
+    if part < 2:
+        raise ValueError(f"the training text holds {len(ranked)} usable words; RULER's documents need a dozen at least")
+    first, second = ranked[cut : cut + part], ranked[cut + part : cut + 2 * part]
+    return Words(single=tuple(ranked[:cut]), keys=tuple(f"{a}-{b}" for a in first for b in second))
+
+
+def ruler_tasks(names: Sequence[str], tokenizer, words: Words) -> dict[str, Any]:
+    """The RULER tasks ``names`` (registered names) with their defaults, drawing ``words``, set
+    up for ``tokenizer`` (the essay haystack is set per document)."""
+    from sparse_ft.evaluation.tasks import TASKS
+
+    built = {}
+    for name in names:
+        task = built[name] = TASKS.get(name)
+        task.word_lists = words
+        task.setup(tokenizer, ())
+    return built
+
+
+def retrieval_document(task: Any, tokenizer, max_tokens: int, rng: random.Random, *, seed: str,
+                       essay: Sequence[str]) -> list[int]:
+    """Token ids of ``task``'s prompt fitted to a length drawn in ``[max_tokens / 4,
+    max_tokens]`` (its shortest prompt at least), then its reference answer. ``seed`` names the
+    sample's stream; ``essay`` the words an essay haystack starts from. Raises ``ValueError``
+    when even ``max_tokens`` cannot hold the task's shortest prompt."""
+    from sparse_ft.evaluation.names import BadParameter
+
+    if task.uses_essay:
+        task.setup(tokenizer, essay)
+    length = rng.randint(max_tokens // 4 + 1, max_tokens)
+    for tried in (length, max_tokens):
+        try:
+            prompt = task.fit(tokenizer, tried, seed=seed)
+            break
+        except BadParameter:  # shorter than the task's shortest prompt, or longer than its words fill
+            continue
+    else:
+        raise ValueError(f"{task.name}: no prompt of it fits {max_tokens} tokens of this tokenizer; raise the context")
+    answer = tokenizer(task.reference(prompt.sample), add_special_tokens=False)["input_ids"]
+    return prompt.context_ids + prompt.question_ids + answer
