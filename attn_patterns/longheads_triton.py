@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attn_patterns.triton_attention import INTERPRETED, LOG2E, MIN_BLOCK
+from attn_patterns.triton_attention import INTERPRETED, LOG2E, MIN_BLOCK, program_offsets
 
 Chosen = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor], torch.Tensor]
 
@@ -49,13 +49,7 @@ def _chosen_kernel(Q, K, V, O, CHOSEN, COS, SIN,
     """q·k in parts of the head dim: the two rotate-half halves (``HALF`` dims each, blocks of
     ``BLOCK_HALF``; none without RoPE) and the dims RoPE leaves alone (``D - 2·HALF``, blocks of
     ``BLOCK_REST``; none with full rotary), so the rotation needs no gathered load of q."""
-    qb = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = bh % H
-    offs_q = tl.arange(0, BLOCK_Q)
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_d = tl.arange(0, BLOCK_D)
+    qb, b, h, offs_q, offs_k, offs_d = program_offsets(H, BLOCK_Q, BLOCK_K, BLOCK_D)
     offs_s = tl.arange(0, SLOTS)
     real = qb * BLOCK_Q + offs_q < ROWS
     pos = FIRST + qb * BLOCK_Q + offs_q  # the rows' positions among the keys

@@ -186,6 +186,16 @@ def _fwd_block(acc, m_i, l_i, q, k_head, v_head, kb, start, dil, rows, lo, hi, s
 
 
 @triton.jit
+def program_offsets(H, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A query-block-major program's (query block, batch, head) from its ids (grid: query
+    blocks × batch·heads) and its tiles' row, key and head-dim offsets."""
+    qb = tl.program_id(0)
+    bh = tl.program_id(1)
+    return (qb, (bh // H).to(tl.int64), bh % H, tl.arange(0, BLOCK_Q), tl.arange(0, BLOCK_K),
+            tl.arange(0, BLOCK_D))
+
+
+@triton.jit
 def _list(part: tl.constexpr, FULL_N, FULL_R, FULL_V, WIDTH_F, PART_N, PART_R, PART_V, WIDTH_P):
     """One of a block's two run lists, picked at compile time: its counts, runs, query
     variants and width (part 0: the FULL runs, unmasked; part 1: the PART runs, masked)."""
@@ -221,13 +231,7 @@ def _fwd_kernel(Q, K, V, O, LSE,
                 H, N, GROUPS, qk_scale,
                 BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
                 STEPPED: tl.constexpr, VARIANTS: tl.constexpr, PRECISION: tl.constexpr):
-    qb = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = bh % H
-    offs_q = tl.arange(0, BLOCK_Q)
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_d = tl.arange(0, BLOCK_D)
+    qb, b, h, offs_q, offs_k, offs_d = program_offsets(H, BLOCK_Q, BLOCK_K, BLOCK_D)
     rows, dil, start, first, real, lo, hi, step = _query_block(STRIDE, START, ROWS, LO, HI, STEP, R, h, qb, offs_q, BLOCK_Q)
     io_mask = real[:, None]
     q_block = Q + b * sq_b + h * sq_h + first * sq_n
@@ -311,13 +315,7 @@ def _dq_kernel(Q, K, V, DO, DQ, LSE, DELTA,
                STEPPED: tl.constexpr, VARIANTS: tl.constexpr, PRECISION: tl.constexpr):
     """dQ of one (batch, head, query block), over the forward's lists; with variants, ``dq``
     holds copy ``held``'s share and is added into its gradient when the runs' copy changes."""
-    qb = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = bh % H
-    offs_q = tl.arange(0, BLOCK_Q)
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_d = tl.arange(0, BLOCK_D)
+    qb, b, h, offs_q, offs_k, offs_d = program_offsets(H, BLOCK_Q, BLOCK_K, BLOCK_D)
     rows, dil, start, first, real, lo, hi, step = _query_block(STRIDE, START, ROWS, LO, HI, STEP, R, h, qb, offs_q, BLOCK_Q)
     io_mask = real[:, None]
     q_block = Q + b * sq_b + h * sq_h + first * sq_n
