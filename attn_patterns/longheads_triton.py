@@ -32,7 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from attn_patterns.triton_attention import INTERPRETED, LOG2E, MIN_BLOCK, program_offsets
+from attn_patterns.triton_attention import (INTERPRETED, LOG2E, MIN_BLOCK, online_softmax_start, online_softmax_step,
+                                             program_offsets)
 
 Chosen = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor], torch.Tensor]
 
@@ -62,9 +63,7 @@ def _chosen_kernel(Q, K, V, O, CHOSEN, COS, SIN,
     kvh = h // GROUPS
     k_head = K + b * sk_b + kvh * sk_h
     v_head = V + b * sv_b + kvh * sv_h
-    acc = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
-    m_i = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_Q], dtype=tl.float32)
+    acc, m_i, l_i = online_softmax_start(BLOCK_Q, BLOCK_D)
     c = tl.minimum(tl.min(tl.min(ids, 1), 0), tl.min(own, 0))
     while c < _NONE:
         slot = tl.sum((ids < c).to(tl.int32), 1)  # the chunk's slot in each row's list (R: the own chunk)
@@ -102,13 +101,7 @@ def _chosen_kernel(Q, K, V, O, CHOSEN, COS, SIN,
                         mask=keys[:, None] & (offs_d < D)[None, :], other=0.0)
             seen = hit[:, None] & keys[None, :] & (t[None, :] <= pos[:, None])
             s = tl.where(seen, s * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
-            p = tl.exp2(s - m_use[:, None])
-            alpha = tl.exp2(m_i - m_use)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
+            acc, m_i, l_i = online_softmax_step(acc, m_i, l_i, s, v, PRECISION)
         c = tl.minimum(tl.min(tl.min(tl.where(ids > c, ids, _NONE), 1), 0), tl.min(tl.where(own > c, own, _NONE), 0))
     out = acc / tl.where(real, l_i, 1.0)[:, None]  # every real row sees at least its own key
     tl.store(O + b * so_b + h * so_h + first * so_n + (offs_q * so_n)[:, None] + offs_d[None, :],

@@ -176,13 +176,7 @@ def _fwd_block(acc, m_i, l_i, q, k_head, v_head, kb, start, dil, rows, lo, hi, s
         if STEPPED:
             vis = vis & ((t[None, :] - lo[:, None]) % step[:, None] == 0)
         s = tl.where(vis, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
-    p = tl.exp2(s - m_use[:, None])
-    alpha = tl.exp2(m_i - m_use)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-    return acc, m_new, l_i
+    return online_softmax_step(acc, m_i, l_i, s, v, PRECISION)
 
 
 @triton.jit
@@ -193,6 +187,27 @@ def program_offsets(H, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl
     bh = tl.program_id(1)
     return (qb, (bh // H).to(tl.int64), bh % H, tl.arange(0, BLOCK_Q), tl.arange(0, BLOCK_K),
             tl.arange(0, BLOCK_D))
+
+
+@triton.jit
+def online_softmax_step(acc, m_i, l_i, s, v, PRECISION: tl.constexpr):
+    """The online softmax over one more key block: scores ``s`` (base-2 logits, -inf where a
+    row does not see a key) and its values ``v``; returns the new (acc, max, sum)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
+    p = tl.exp2(s - m_use[:, None])
+    alpha = tl.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def online_softmax_start(BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr):
+    """An online softmax's state before its first key block: the fp32 output accumulator,
+    each row's running maximum (-inf) and its running sum of exponentials."""
+    return (tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32), tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32),
+            tl.zeros([BLOCK_Q], dtype=tl.float32))
 
 
 @triton.jit
@@ -240,9 +255,7 @@ def _fwd_kernel(Q, K, V, O, LSE,
     kvh = h // GROUPS
     k_head = K + b * sk_b + kvh * sk_h
     v_head = V + b * sv_b + kvh * sv_h
-    acc = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
-    m_i = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_Q], dtype=tl.float32)
+    acc, m_i, l_i = online_softmax_start(BLOCK_Q, BLOCK_D)
     entry = h * NQB + qb
     for part in tl.static_range(2):  # the FULL runs, then the PART (masked) runs
         count, runs, variants, width = _list(part, FULL_N, FULL_R, FULL_V, WIDTH_F, PART_N, PART_R, PART_V, WIDTH_P)
