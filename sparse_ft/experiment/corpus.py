@@ -36,7 +36,7 @@ from sparse_ft.files.outputs import atomic_file
 
 # Half the blocks: with 30 % the committed base formed no copy (induction) heads in 900 steps
 # and never retrieved; with half, 5000 steps retrieve every key inside the window.
-PASSKEY_FRACTION = 0.5
+RETRIEVAL_FRACTION = 0.5
 
 
 def is_validation(text: str, val_percent: float) -> bool:
@@ -44,22 +44,22 @@ def is_validation(text: str, val_percent: float) -> bool:
     return int(hashlib.sha256(text.encode("utf-8")).hexdigest()[:8], 16) % 10000 < val_percent * 100
 
 
-def build_corpus(output_dir: Path, tokenizer, context: int = 256, passkey_fraction: float = PASSKEY_FRACTION,
+def build_corpus(output_dir: Path, tokenizer, context: int = 256, retrieval_fraction: float = RETRIEVAL_FRACTION,
                  *, val_percent: float = 5.0, seed: int = 0, modules: Optional[Iterable[str]] = None,
                  max_blocks: Optional[int] = None, retrieval_tasks: Sequence[str] = ("passkey",),
                  text_passes: int = 1) -> dict:
     """Write train.bin, val.bin and corpus.json under ``output_dir``; return the manifest.
 
     ``modules=None`` takes every top-level module of the standard library; ``max_blocks``
-    stops early (the validation split is unchanged). ``passkey_fraction`` of the blocks open
+    stops early (the validation split is unchanged). ``retrieval_fraction`` of the blocks open
     with a retrieval document, of a kind drawn uniformly from ``retrieval_tasks``: ``passkey``
     and RULER's task names (:mod:`sparse_ft.experiment.retrieval_docs`); passkeys alone by
     default, which draws exactly what this corpus drew before RULER's kinds existed.
     ``text_passes``: lay the text out that many times, each pass with fresh documents (more
     distinct retrieval documents than one pass of the text holds).
     """
-    if not 0.0 <= passkey_fraction <= 1.0:
-        raise ValueError(f"passkey_fraction={passkey_fraction} must be within [0, 1]")
+    if not 0.0 <= retrieval_fraction <= 1.0:
+        raise ValueError(f"retrieval_fraction={retrieval_fraction} must be within [0, 1]")
     kinds = list(dict.fromkeys(retrieval_tasks))
     if not kinds:
         raise ValueError("retrieval_tasks is empty; name passkey and/or RULER tasks")
@@ -92,7 +92,7 @@ def build_corpus(output_dir: Path, tokenizer, context: int = 256, passkey_fracti
     pos, passes = 0, 1
     while max_blocks is None or len(blocks) < max_blocks:
         block, kind = [], None
-        if rng.random() < passkey_fraction:
+        if rng.random() < retrieval_fraction:
             kind = kinds[0] if len(kinds) == 1 else rng.choice(kinds)
             if kind == "passkey":
                 block = passkey_document(tokenizer, context - 1, rng)[0] + [eos]
@@ -120,7 +120,7 @@ def build_corpus(output_dir: Path, tokenizer, context: int = 256, passkey_fracti
         "python": platform.python_version(),
         "modules": "all top-level stdlib modules" if modules is None else list(modules),
         "files": files, "context": context, "max_blocks": max_blocks, "dtype": dtype, "seed": seed,
-        "passkey_fraction": passkey_fraction, "retrieval_tasks": kinds, "text_passes": text_passes,
+        "retrieval_fraction": retrieval_fraction, "retrieval_tasks": kinds, "text_passes": text_passes,
         "val_percent": val_percent,
         "tokenizer": type(tokenizer).__name__, "vocab_size": vocab,
         "train_blocks": len(blocks), "passkey_blocks": opened["passkey"],

@@ -83,13 +83,13 @@ class PretrainConfig:
 TOKENIZERS = ("byte", "bpe")
 
 
-def load_tokenizer(cfg: PretrainConfig):
+def tokenizer_for(cfg: PretrainConfig):
     """The tokenizer ``cfg`` names: the byte tokenizer or the committed BPE (``assets/tiny-bpe``)."""
     if cfg.tokenizer == "bpe":
         from sparse_ft.experiment.tokenizer import TOKENIZER_DIR
-        from sparse_ft.modeling.model_io import load_tokenizer as load
+        from sparse_ft.modeling.model_io import load_tokenizer
 
-        return load(str(TOKENIZER_DIR))
+        return load_tokenizer(str(TOKENIZER_DIR))
     from sparse_ft.modeling.tiny import tiny_tokenizer
 
     return tiny_tokenizer()
@@ -131,7 +131,7 @@ def recipe_for(cfg: PretrainConfig, output_dir: Path, init_from: Optional[Path] 
     dims = {key: getattr(cfg, key) for key in ("hidden_size", "intermediate_size", "num_hidden_layers",
                                               "num_attention_heads", "num_key_value_heads")}
     if cfg.tokenizer != "byte":  # the byte tokenizer's ids are the tiny model's own vocabulary
-        dims["vocab_size"] = len(load_tokenizer(cfg))
+        dims["vocab_size"] = len(tokenizer_for(cfg))
     model = (ModelSection(name_or_path=BUILT_IN, tiny={**dims, "max_position_embeddings": cfg.context}, dtype="float32",
                           target_length=cfg.context) if init_from is None else
              ModelSection(name_or_path=str(init_from), dtype="float32", target_length=cfg.context))
@@ -215,12 +215,12 @@ def save(model, tokenizer, stats: dict, output: Path, *, save_dtype: str, overwr
 
 
 def pretrain(cfg: PretrainConfig, corpus: Path = CORPUS_DIR, output: Path = ASSET_DIR, progress: bool = True,
-             *, init_from: Optional[Path] = None, passkey_fraction: Optional[float] = None,
+             *, init_from: Optional[Path] = None, retrieval_fraction: Optional[float] = None,
              max_blocks: Optional[int] = None, text_passes: int = 1, overwrite: bool = False) -> dict:
     """Build the corpus if missing, train, evaluate, save; returns the stats written (with the
     stats of ``init_from``'s training under ``previous_phase``). ``output`` is checked first:
     apart from the inputs, and an earlier output of this command only with ``overwrite``."""
-    from sparse_ft.experiment.corpus import PASSKEY_FRACTION, build_corpus, load_blocks
+    from sparse_ft.experiment.corpus import RETRIEVAL_FRACTION, build_corpus, load_blocks
     from sparse_ft.evaluation.tokens import load_tokens
     from sparse_ft.files.outputs import check_apart, check_output_dir
 
@@ -229,8 +229,8 @@ def pretrain(cfg: PretrainConfig, corpus: Path = CORPUS_DIR, output: Path = ASSE
     kinds = retrieval_kinds(cfg.retrieval_tasks)
     if corpus.exists() and not corpus.is_dir():
         raise ValueError(f"--corpus {corpus} is a file; a corpus is a directory (scripts/build_corpus.py writes one)")
-    if passkey_fraction is not None and not 0 <= passkey_fraction <= 1:
-        raise ValueError(f"--passkey-fraction {passkey_fraction} must be within [0, 1]")
+    if retrieval_fraction is not None and not 0 <= retrieval_fraction <= 1:
+        raise ValueError(f"--retrieval-fraction {retrieval_fraction} must be within [0, 1]")
     if max_blocks is not None and max_blocks < 1:
         raise ValueError(f"--max-blocks {max_blocks} must be >= 1")
     if text_passes < 1:
@@ -241,11 +241,11 @@ def pretrain(cfg: PretrainConfig, corpus: Path = CORPUS_DIR, output: Path = ASSE
     if build:  # into a new or empty directory: its files have fixed names
         check_apart(corpus, "--corpus", {"--init-from": init_from and Path(init_from)})
         check_output_dir(corpus, False, "--corpus")
-    tokenizer = load_tokenizer(cfg)
+    tokenizer = tokenizer_for(cfg)
     if build:
         print(f"building the corpus in {corpus} (scripts/build_corpus.py)")
         build_corpus(corpus, tokenizer, context=cfg.context, seed=cfg.seed, max_blocks=max_blocks,
-                     passkey_fraction=PASSKEY_FRACTION if passkey_fraction is None else passkey_fraction,
+                     retrieval_fraction=RETRIEVAL_FRACTION if retrieval_fraction is None else retrieval_fraction,
                      retrieval_tasks=kinds, text_passes=text_passes)
     else:  # a corpus built for other settings would train, silently, on other tokens
         try:
@@ -300,7 +300,7 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "names, comma-separated, or all (default: passkey)")
     p.add_argument("--save-dtype", default=defaults.save_dtype, choices=dtypes.NAMES, help="dtype of the saved weights")
     p.add_argument("--init-from", type=Path, default=None, help="continue from this checkpoint, a second phase (default: a fresh model)")
-    p.add_argument("--passkey-fraction", type=float, default=None,
+    p.add_argument("--retrieval-fraction", type=float, default=None,
                    help="share of blocks that open with a retrieval document (--retrieval-tasks), when the corpus is "
                         "built here (default: scripts/build_corpus.py's)")
     p.add_argument("--max-blocks", type=int, default=None, help="when the corpus is built here: stop after N blocks (default: no limit)")
@@ -320,7 +320,7 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     keys = PretrainConfig.__dataclass_fields__
     cfg = PretrainConfig(**{k: v for k, v in vars(args).items() if k in keys})
-    stats = pretrain(cfg, args.corpus, args.output, init_from=args.init_from, passkey_fraction=args.passkey_fraction,
+    stats = pretrain(cfg, args.corpus, args.output, init_from=args.init_from, retrieval_fraction=args.retrieval_fraction,
                      max_blocks=args.max_blocks, text_passes=args.text_passes, overwrite=args.overwrite)
     ev = stats["evaluation"]
     print(f"{stats['tokens']} tokens, {stats['steps']} steps in {stats['train_seconds']:.0f} s; final loss "

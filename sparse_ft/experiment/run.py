@@ -216,7 +216,7 @@ class Runner:
 
     def data(self):
         """The fine-tuning corpus (blocks of the target length) and the validation tokens."""
-        from sparse_ft.experiment.corpus import PASSKEY_FRACTION, build_corpus, write_jsonl
+        from sparse_ft.experiment.corpus import RETRIEVAL_FRACTION, build_corpus, write_jsonl
         from sparse_ft.data.packing import build_train_dataset
         from sparse_ft.evaluation.tokens import load_tokens
         from sparse_ft.modeling.model_io import load_tokenizer
@@ -224,7 +224,7 @@ class Runner:
         tokenizer = load_tokenizer(self.cfg.base)
         recipe = self._recipe("full", 0)
         blocks = self.cfg.steps * recipe.train.per_device_batch_size * recipe.train.gradient_accumulation_steps
-        spec = _row_key("data", [self.target, blocks, self.cfg.modules, self.cfg.val_percent, PASSKEY_FRACTION])
+        spec = _row_key("data", [self.target, blocks, self.cfg.modules, self.cfg.val_percent, RETRIEVAL_FRACTION])
         directory = Path(self.cfg.data) / f"ctx{self.target}-{spec}"
         if not (directory / "train.jsonl").is_file():
             build_corpus(directory, tokenizer, context=self.target, max_blocks=blocks + 8, modules=self.cfg.modules,

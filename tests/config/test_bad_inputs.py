@@ -817,8 +817,10 @@ CLI_CASES = {
         r"num_key_value_heads=0 must be >= 1"),
     "pretrain of 0 steps": (["pretrain", "--steps", "0", "--corpus", "OUT/c", "--output", "OUT/p"], None, r"steps=0 must be >= 1"),
     "pretrain passkey fraction above 1": (
-        ["pretrain", "--passkey-fraction", "2", "--corpus", "OUT/c", "--output", "OUT/p"], None,
-        r"--passkey-fraction 2.0 must be within \[0, 1\]"),
+        ["pretrain", "--retrieval-fraction", "2", "--corpus", "OUT/c", "--output", "OUT/p"], None,
+        r"--retrieval-fraction 2.0 must be within \[0, 1\]"),
+    "pretrain with no pass of the text": (
+        ["pretrain", "--text-passes", "0", "--corpus", "OUT/c", "--output", "OUT/p"], None, r"--text-passes 0 must be >= 1"),
     "pretrain with an unknown retrieval task": (
         ["pretrain", "--retrieval-tasks", "passkey,nope", "--corpus", "OUT/c", "--output", "OUT/p"], None,
         r"retrieval_tasks: 'nope' unknown; allowed: passkey, niah_single_1, .*, fwe or all"),

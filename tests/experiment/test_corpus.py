@@ -32,16 +32,16 @@ def _val_percent() -> float:
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory, tokenizer):
     out = tmp_path_factory.mktemp("corpus")
-    return out, build_corpus(out, tokenizer, context=256, passkey_fraction=0.5, val_percent=_val_percent(), modules=MODULES)
+    return out, build_corpus(out, tokenizer, context=256, retrieval_fraction=0.5, val_percent=_val_percent(), modules=MODULES)
 
 
 def test_corpus_is_deterministic(corpus, tokenizer, tmp_path):
     out, manifest = corpus
-    again = build_corpus(tmp_path, tokenizer, context=256, passkey_fraction=0.5, val_percent=_val_percent(), modules=MODULES)
+    again = build_corpus(tmp_path, tokenizer, context=256, retrieval_fraction=0.5, val_percent=_val_percent(), modules=MODULES)
     assert again == manifest
     for name in ("train.bin", "val.bin"):
         assert (tmp_path / name).read_bytes() == (out / name).read_bytes()
-    other = build_corpus(tmp_path / "seed1", tokenizer, context=256, passkey_fraction=0.5, val_percent=_val_percent(),
+    other = build_corpus(tmp_path / "seed1", tokenizer, context=256, retrieval_fraction=0.5, val_percent=_val_percent(),
                          modules=MODULES, seed=1)
     assert other["sha256"]["train.bin"] != manifest["sha256"]["train.bin"]
     assert other["sha256"]["val.bin"] == manifest["sha256"]["val.bin"]  # the split does not depend on the seed
@@ -86,8 +86,8 @@ def test_passkey_documents_use_the_evaluators_prompt(tokenizer):
 
 
 def test_bad_arguments_name_the_value(tokenizer, tmp_path):
-    with pytest.raises(ValueError, match="passkey_fraction=2"):
-        build_corpus(tmp_path, tokenizer, passkey_fraction=2, modules=MODULES)
+    with pytest.raises(ValueError, match="retrieval_fraction=2"):
+        build_corpus(tmp_path, tokenizer, retrieval_fraction=2, modules=MODULES)
     with pytest.raises(ValueError, match="max_tokens=50"):
         passkey_document(tokenizer, 50, random.Random(0))
 
@@ -97,14 +97,14 @@ def test_ruler_documents_open_blocks_with_their_answers_and_training_words(tmp_p
     the evaluation's template and its reference answer, then EOS; keys and word pools are the
     training lists, disjoint from every word the evaluation draws."""
     from sparse_ft.evaluation.words import EVALUATION
-    from sparse_ft.experiment.pretrain import PretrainConfig, load_tokenizer
+    from sparse_ft.experiment.pretrain import PretrainConfig, tokenizer_for
     from sparse_ft.experiment.retrieval_docs import training_words
 
     words = training_words(t for t in iter_stdlib_documents(MODULES) if not is_validation(t, _val_percent()))
     assert not set(words.single) & set(EVALUATION.pool) and not set(words.keys) & set(EVALUATION.keys)
-    bpe = load_tokenizer(PretrainConfig(tokenizer="bpe"))
+    bpe = tokenizer_for(PretrainConfig(tokenizer="bpe"))
     kinds = ["niah_single_1", "vt", "cwe"]
-    manifest = build_corpus(tmp_path, bpe, context=1024, passkey_fraction=1.0, modules=MODULES, val_percent=_val_percent(),
+    manifest = build_corpus(tmp_path, bpe, context=1024, retrieval_fraction=1.0, modules=MODULES, val_percent=_val_percent(),
                             max_blocks=6, retrieval_tasks=kinds, seed=3)
     assert manifest["retrieval_tasks"] == kinds and sum(manifest["retrieval_blocks"].values()) == 6
     for block in load_blocks(tmp_path):
@@ -121,7 +121,7 @@ def test_ruler_documents_open_blocks_with_their_answers_and_training_words(tmp_p
 
 def test_text_passes_lay_the_text_out_again_with_fresh_documents(corpus, tokenizer, tmp_path):
     _, once = corpus
-    twice = build_corpus(tmp_path, tokenizer, context=256, passkey_fraction=0.5, val_percent=_val_percent(), modules=MODULES,
+    twice = build_corpus(tmp_path, tokenizer, context=256, retrieval_fraction=0.5, val_percent=_val_percent(), modules=MODULES,
                          text_passes=2)
     assert twice["text_passes"] == 2 and abs(twice["train_blocks"] - 2 * once["train_blocks"]) <= 0.05 * once["train_blocks"]
     blocks = load_blocks(tmp_path)

@@ -19,7 +19,8 @@ MICRO = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_atte
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     out = tmp_path_factory.mktemp("corpus")
-    build_corpus(out, tiny_tokenizer(), context=128, passkey_fraction=0.5, val_percent=50, modules=("heapq", "textwrap", "bisect", "queue"))
+    build_corpus(out, tiny_tokenizer(), context=128, retrieval_fraction=0.5, val_percent=50,
+                 modules=("heapq", "textwrap", "bisect", "queue"))
     return out
 
 
