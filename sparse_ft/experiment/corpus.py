@@ -47,7 +47,7 @@ def is_validation(text: str, val_percent: float) -> bool:
 def build_corpus(output_dir: Path, tokenizer, context: int = 256, retrieval_fraction: float = RETRIEVAL_FRACTION,
                  *, val_percent: float = 5.0, seed: int = 0, modules: Optional[Iterable[str]] = None,
                  max_blocks: Optional[int] = None, retrieval_tasks: Sequence[str] = ("passkey",),
-                 text_passes: int = 1) -> dict:
+                 text_passes: int = 1, copy_fraction: float = 0.0) -> dict:
     """Write train.bin, val.bin and corpus.json under ``output_dir``; return the manifest.
 
     ``modules=None`` takes every top-level module of the standard library; ``max_blocks``
@@ -56,10 +56,14 @@ def build_corpus(output_dir: Path, tokenizer, context: int = 256, retrieval_frac
     and RULER's task names (:mod:`sparse_ft.experiment.retrieval_docs`); passkeys alone by
     default, which draws exactly what this corpus drew before RULER's kinds existed.
     ``text_passes``: lay the text out that many times, each pass with fresh documents (more
-    distinct retrieval documents than one pass of the text holds).
+    distinct retrieval documents than one pass of the text holds). ``copy_fraction`` of the
+    blocks open with a copy document instead (:func:`retrieval_docs.copy_document`: the
+    signal that forms copy heads); 0 draws exactly what this corpus drew before it existed.
     """
     if not 0.0 <= retrieval_fraction <= 1.0:
         raise ValueError(f"retrieval_fraction={retrieval_fraction} must be within [0, 1]")
+    if not 0.0 <= copy_fraction <= 1.0 - retrieval_fraction:
+        raise ValueError(f"copy_fraction={copy_fraction} must be within [0, 1 - retrieval_fraction={retrieval_fraction}]")
     kinds = list(dict.fromkeys(retrieval_tasks))
     if not kinds:
         raise ValueError("retrieval_tasks is empty; name passkey and/or RULER tasks")
@@ -78,13 +82,14 @@ def build_corpus(output_dir: Path, tokenizer, context: int = 256, retrieval_frac
         split = "validation" if is_validation(text, val_percent) else "train"
         files[split] += 1
         (val if split == "validation" else train).extend(tokenizer(text, add_special_tokens=False)["input_ids"] + [eos])
-        if split == "train" and kinds != ["passkey"]:
+        if split == "train" and (kinds != ["passkey"] or copy_fraction):
             texts.append(text)
     if not val or not train:
         raise ValueError(f"val_percent={val_percent} leaves {files} modules per split; both need at least one")
 
     others = [k for k in kinds if k != "passkey"]
-    ruler = retrieval_docs.ruler_tasks(others, tokenizer, retrieval_docs.training_words(texts)) if others else {}
+    words = retrieval_docs.training_words(texts) if others or copy_fraction else None
+    ruler = retrieval_docs.ruler_tasks(others, tokenizer, words) if others else {}
     essay = [word for text in texts for word in text.split()]
     rng = random.Random(seed)
     blocks: list[list[int]] = []
@@ -92,7 +97,11 @@ def build_corpus(output_dir: Path, tokenizer, context: int = 256, retrieval_frac
     pos, passes = 0, 1
     while max_blocks is None or len(blocks) < max_blocks:
         block, kind = [], None
-        if rng.random() < retrieval_fraction:
+        draw = rng.random()
+        if draw >= 1.0 - copy_fraction:  # the top of the draw: with copy_fraction 0, the draws of before
+            kind = "copy"
+            block = retrieval_docs.copy_document(tokenizer, context - 1, rng, words=words.single, essay=essay) + [eos]
+        elif draw < retrieval_fraction:
             kind = kinds[0] if len(kinds) == 1 else rng.choice(kinds)
             if kind == "passkey":
                 block = passkey_document(tokenizer, context - 1, rng)[0] + [eos]
@@ -121,6 +130,7 @@ def build_corpus(output_dir: Path, tokenizer, context: int = 256, retrieval_frac
         "modules": "all top-level stdlib modules" if modules is None else list(modules),
         "files": files, "context": context, "max_blocks": max_blocks, "dtype": dtype, "seed": seed,
         "retrieval_fraction": retrieval_fraction, "retrieval_tasks": kinds, "text_passes": text_passes,
+        "copy_fraction": copy_fraction, "copy_blocks": opened["copy"],
         "val_percent": val_percent,
         "tokenizer": type(tokenizer).__name__, "vocab_size": vocab,
         "train_blocks": len(blocks), "passkey_blocks": opened["passkey"],

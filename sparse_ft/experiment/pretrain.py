@@ -190,7 +190,8 @@ def evaluate(model, tokenizer, val_tokens: np.ndarray, cfg: PretrainConfig) -> d
     full = methods.get("full")
     result = window_perplexity.evaluate_length(model, val_tokens, cfg.context, cfg.context, scoring="standard",
                                                method=full, batch_size=8, max_windows=cfg.eval_windows)
-    out = {"val_ppl": result["ppl"], "val_tokens_scored": result["tokens"]}
+    out = {"val_ppl": result["ppl"], "val_tokens_scored": result["tokens"],
+           "copy": copy_losses(model, val_tokens, cfg.context, seed=cfg.seed)}
     if cfg.passkey_trials:
         # at `context` the answer is decoded just past the window; at `context - 8` it lies inside
         lengths = [cfg.context - 8, cfg.context]
@@ -199,6 +200,28 @@ def evaluate(model, tokenizer, val_tokens: np.ndarray, cfg: PretrainConfig) -> d
         out["passkey"] = cells
         out["passkey_accuracy"] = {n: sum(c["accuracy"] for c in cells if c["length"] == n) / len(cfg.passkey_depths)
                                    for n in lengths}
+    return out
+
+
+def copy_losses(model, tokens: np.ndarray, context: int, *, seed: int, rows: int = 8) -> list[dict]:
+    """Whether the model has copy (induction) heads, the mechanism every retrieval task needs:
+    its mean loss (nats) on the first copy of a span of random ids (drawn from those of
+    ``tokens``, the validation text) and on the copies that repeat it to ``context`` tokens, per
+    span length. Without copy heads the two are equal (a base that retrieves nothing, docs/
+    experiment.md); with them the later copies cost a small fraction of the first."""
+    import numpy as np
+    import torch
+
+    ids = torch.from_numpy(np.unique(np.asarray(tokens)).astype(np.int64))
+    gen = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
+    out = []
+    for span in sorted({min(s, context // 2) for s in (8, 32, 128)}):
+        spans = ids[torch.randint(len(ids), (rows, span), generator=gen)]
+        x = spans.repeat(1, -(-context // span))[:, :context].to(device)
+        with torch.no_grad():
+            nll = torch.nn.functional.cross_entropy(model(x).logits[:, :-1].transpose(1, 2).float(), x[:, 1:], reduction="none")
+        out.append({"span": span, "first": nll[:, : span - 1].mean().item(), "later": nll[:, span - 1 :].mean().item()})
     return out
 
 
@@ -216,7 +239,8 @@ def save(model, tokenizer, stats: dict, output: Path, *, save_dtype: str, overwr
 
 def pretrain(cfg: PretrainConfig, corpus: Path = CORPUS_DIR, output: Path = ASSET_DIR, progress: bool = True,
              *, init_from: Optional[Path] = None, retrieval_fraction: Optional[float] = None,
-             max_blocks: Optional[int] = None, text_passes: int = 1, overwrite: bool = False) -> dict:
+             max_blocks: Optional[int] = None, text_passes: int = 1, copy_fraction: float = 0.0,
+             overwrite: bool = False) -> dict:
     """Build the corpus if missing, train, evaluate, save; returns the stats written (with the
     stats of ``init_from``'s training under ``previous_phase``). ``output`` is checked first:
     apart from the inputs, and an earlier output of this command only with ``overwrite``."""
@@ -229,12 +253,15 @@ def pretrain(cfg: PretrainConfig, corpus: Path = CORPUS_DIR, output: Path = ASSE
     kinds = retrieval_kinds(cfg.retrieval_tasks)
     if corpus.exists() and not corpus.is_dir():
         raise ValueError(f"--corpus {corpus} is a file; a corpus is a directory (scripts/build_corpus.py writes one)")
-    if retrieval_fraction is not None and not 0 <= retrieval_fraction <= 1:
+    retrieval_fraction = RETRIEVAL_FRACTION if retrieval_fraction is None else retrieval_fraction
+    if not 0 <= retrieval_fraction <= 1:
         raise ValueError(f"--retrieval-fraction {retrieval_fraction} must be within [0, 1]")
     if max_blocks is not None and max_blocks < 1:
         raise ValueError(f"--max-blocks {max_blocks} must be >= 1")
     if text_passes < 1:
         raise ValueError(f"--text-passes {text_passes} must be >= 1")
+    if not 0 <= copy_fraction <= 1 - retrieval_fraction:
+        raise ValueError(f"--copy-fraction {copy_fraction} must be within [0, 1 - --retrieval-fraction]")
     check_apart(output, "--output", {"--corpus": corpus, "--init-from": init_from and Path(init_from)})
     check_output_dir(output, overwrite)
     build = not (corpus / "corpus.json").exists()
@@ -245,15 +272,15 @@ def pretrain(cfg: PretrainConfig, corpus: Path = CORPUS_DIR, output: Path = ASSE
     if build:
         print(f"building the corpus in {corpus} (scripts/build_corpus.py)")
         build_corpus(corpus, tokenizer, context=cfg.context, seed=cfg.seed, max_blocks=max_blocks,
-                     retrieval_fraction=RETRIEVAL_FRACTION if retrieval_fraction is None else retrieval_fraction,
-                     retrieval_tasks=kinds, text_passes=text_passes)
+                     retrieval_fraction=retrieval_fraction,
+                     retrieval_tasks=kinds, text_passes=text_passes, copy_fraction=copy_fraction)
     else:  # a corpus built for other settings would train, silently, on other tokens
         try:
             built = dict(json.loads((corpus / "corpus.json").read_text()))
         except (ValueError, TypeError):  # not a manifest: load_blocks says so, naming the file
             built = {}
-        want = {"tokenizer": type(tokenizer).__name__, "retrieval_tasks": kinds}
-        before = {"tokenizer": "ByT5Tokenizer", "retrieval_tasks": ["passkey"]}  # corpora built before these keys
+        want = {"tokenizer": type(tokenizer).__name__, "retrieval_tasks": kinds, "copy_fraction": copy_fraction}
+        before = {"tokenizer": "ByT5Tokenizer", "retrieval_tasks": ["passkey"], "copy_fraction": 0.0}  # corpora built before these keys
         wrong = {k: built.get(k, before[k]) for k in want if built.get(k, before[k]) != want[k]}
         if wrong:
             raise ValueError(f"--corpus {corpus} was built with {wrong}, these settings need "
@@ -306,6 +333,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-blocks", type=int, default=None, help="when the corpus is built here: stop after N blocks (default: no limit)")
     p.add_argument("--text-passes", type=int, default=1,
                    help="when the corpus is built here: lay its text out N times, each with fresh retrieval documents")
+    p.add_argument("--copy-fraction", type=float, default=0.0,
+                   help="when the corpus is built here: share of blocks that open with a copy document (a span of "
+                        "words, text, the span again: the dense signal that forms copy heads); default 0")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's; 1 is much faster when other jobs share the cores)")
     p.set_defaults(func=run)
@@ -321,10 +351,13 @@ def run(args) -> int:
     keys = PretrainConfig.__dataclass_fields__
     cfg = PretrainConfig(**{k: v for k, v in vars(args).items() if k in keys})
     stats = pretrain(cfg, args.corpus, args.output, init_from=args.init_from, retrieval_fraction=args.retrieval_fraction,
-                     max_blocks=args.max_blocks, text_passes=args.text_passes, overwrite=args.overwrite)
+                     max_blocks=args.max_blocks, text_passes=args.text_passes, copy_fraction=args.copy_fraction,
+                     overwrite=args.overwrite)
     ev = stats["evaluation"]
     print(f"{stats['tokens']} tokens, {stats['steps']} steps in {stats['train_seconds']:.0f} s; final loss "
           f"{stats['final_loss']:.3f}; val PPL@{cfg.context} {ev['val_ppl']:.3f}; passkey accuracy "
           + ", ".join(f"@{n}: {acc:.2f}" for n, acc in ev.get("passkey_accuracy", {}).items()))
+    print("loss on repeated random spans, first copy -> later copies (equal: no copy heads): "
+          + ", ".join(f"span {c['span']}: {c['first']:.2f} -> {c['later']:.2f}" for c in ev["copy"]))
     print(f"wrote {args.output}")
     return 0

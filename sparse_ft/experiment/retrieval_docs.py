@@ -13,10 +13,17 @@ tracking, common and frequent words. What keeps training and evaluation apart:
   the evaluation's seeds (``task|length|sample``) never take;
 - lengths drawn uniformly up to the block (from the task's shortest prompt), so needles sit at
   every depth and distance inside the context.
+
+Answers are a few tokens per document, too sparse a signal to form copy heads from scratch: the
+first BPE base, trained on every kind above for 13M tokens, copied nothing at all (its loss on
+the second copy of a repeated span was its loss on the first). :func:`copy_document` is the
+dense signal: text, then a span of training words repeated to the document's end, every token
+of which past the first copy is predictable only by finding it in the copy before.
 """
 
 from __future__ import annotations
 
+import math
 import random
 import re
 from collections import Counter
@@ -82,3 +89,20 @@ def retrieval_document(task: Any, tokenizer, max_tokens: int, rng: random.Random
         raise ValueError(f"{task.name}: no prompt of it fits {max_tokens} tokens of this tokenizer; raise the context")
     answer = tokenizer(task.reference(prompt.sample), add_special_tokens=False)["input_ids"]
     return prompt.context_ids + prompt.question_ids + answer
+
+
+def copy_document(tokenizer, max_tokens: int, rng: random.Random, *, words: Sequence[str],
+                  essay: Sequence[str]) -> list[int]:
+    """Token ids of essay text, then a span of random ``words`` repeated to the end: ``max_tokens
+    / 4`` to ``max_tokens`` tokens, the span from 4 tokens to half of them (log-uniform, so that
+    short spans repeated many times are as common as long ones repeated twice), so that most of
+    the document is predictable by copying, from every distance the context allows."""
+    length = rng.randint(max_tokens // 4 + 1, max_tokens)
+    span = max(4, int(math.exp(rng.uniform(math.log(4), math.log(max(4, length // 2))))))
+    draws = " " + " ".join(rng.choice(words) for _ in range(span))  # a word is at least one token
+    ids = tokenizer(draws, add_special_tokens=False)["input_ids"][:span]
+    text = rng.randint(0, length - 2 * len(ids))
+    start = rng.randrange(max(1, len(essay) - text))
+    filler = tokenizer(" " + " ".join(essay[start : start + text]), add_special_tokens=False)["input_ids"][:text]
+    copies = -(-(length - len(filler)) // len(ids))
+    return filler + (ids * copies)[: length - len(filler)]

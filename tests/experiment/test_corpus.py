@@ -129,3 +129,26 @@ def test_text_passes_lay_the_text_out_again_with_fresh_documents(corpus, tokeniz
     assert not any((blocks[i] == blocks[half + i]).all() for i in range(half))  # the second pass draws anew
     with pytest.raises(ValueError, match=r"^text_passes=0 must be an integer >= 1$"):
         build_corpus(tmp_path / "x", tokenizer, context=256, modules=MODULES, val_percent=_val_percent(), text_passes=0)
+
+
+def test_copy_documents_repeat_a_span_of_training_words_after_text(corpus, tokenizer, tmp_path):
+    """A copy block opens with text, then a span of training words repeated at least twice to
+    the document's end, then EOS; with copy_fraction 0 the corpus is the one drawn before copy
+    documents existed (the fixture's)."""
+    from sparse_ft.experiment.retrieval_docs import copy_document, training_words
+
+    words = training_words(t for t in iter_stdlib_documents(MODULES) if not is_validation(t, _val_percent()))
+    rng = random.Random(5)
+    essay = "one two three four".split() * 100
+    for _ in range(20):
+        ids = copy_document(tokenizer, 255, rng, words=words.single, essay=essay)
+        assert 255 // 4 < len(ids) <= 255
+        period = next(p for p in range(4, len(ids) // 2 + 1) if ids[-2 * p : -p] == ids[-p:])
+        pieces = tokenizer.decode(ids[-2 * period :]).split()
+        assert all(any(w.find(piece) >= 0 for w in words.single) for piece in pieces)  # words, or parts where cut
+    manifest = build_corpus(tmp_path, tokenizer, context=256, retrieval_fraction=0.25, copy_fraction=0.5, modules=MODULES,
+                            val_percent=_val_percent())
+    assert manifest["copy_blocks"] > 0.4 * manifest["train_blocks"] and manifest["copy_fraction"] == 0.5
+    assert corpus[1]["copy_blocks"] == 0
+    with pytest.raises(ValueError, match=r"^copy_fraction=0.6 must be within \[0, 1 - retrieval_fraction=0.5\]$"):
+        build_corpus(tmp_path / "x", tokenizer, context=256, retrieval_fraction=0.5, copy_fraction=0.6, modules=MODULES)

@@ -35,6 +35,8 @@ def test_micro_pretrain_writes_a_loadable_safetensors_checkpoint(corpus, tmp_pat
     assert written["steps"] == 3 and written["tokens"] == 3 * 2 * 128 and len(written["loss_curve"]) == 3
     assert written["evaluation"]["val_ppl"] == pytest.approx(stats["evaluation"]["val_ppl"])
     assert 1 < written["evaluation"]["val_ppl"] < 1000
+    copies = written["evaluation"]["copy"]
+    assert [c["span"] for c in copies] == sorted(c["span"] for c in copies) and all(c["first"] > 0 < c["later"] for c in copies)
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
     assert model.config.max_position_embeddings == 128 and model.config.num_attention_heads == 8
     # a second phase continues from the checkpoint and keeps the first phase's record
