@@ -27,6 +27,12 @@ def chunk_size(n: int, chunks: int) -> int:
     return -(-n // chunks)
 
 
+def above(lo: torch.Tensor, step: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
+    """The first term ``>= floor`` of the progression ``lo, lo + step, ...``: where a pattern's
+    own keys resume after its sink tokens ``[0, floor)``, so that no key is counted twice."""
+    return lo + torch.div(floor - lo + step - 1, step, rounding_mode="floor").clamp(min=0) * step
+
+
 class Pattern:
     """Base class. A subclass states its rule either as ``keys`` (a progression per head and
     query: exact pair counts in O(H·N)) or, when that form does not fit, by overriding
@@ -45,6 +51,7 @@ class Pattern:
     head_rule: str = "the pattern splits heads into groups"
     native_gqa: bool = False
     head_invariant: bool = False  # the rule ignores the head index, so any slice of heads runs ``forward`` as is
+    sink_tokens: int = 0  # every query also sees keys [0, sink_tokens), causally (the patterns of attn_patterns.patterns set it)
 
     def __init__(self, backend: Optional[str] = None, **params: Any) -> None:
         self.backend = backend
@@ -110,6 +117,23 @@ class Pattern:
         call = kernel_call(n, n, heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes, kernel=kernel)
         return pieces([call], rows=n, heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=dtype_bytes)
 
+    def sinks(self, h: torch.Tensor, num_heads: int) -> torch.Tensor:
+        """Per head ``h`` (an int tensor), how many first keys each of its queries sees besides
+        ``keys`` (its sink tokens, intersected with causality); a mix answers per part."""
+        return torch.full_like(h, self.sink_tokens)
+
+    def chunk_width(self, n: int) -> Optional[int]:
+        """The width of the pattern's chunks at length ``n``, None if it has none: its sink tokens
+        must stay below it (a sink as wide as a chunk is a chunk seen by every query)."""
+        return None
+
+    def check_sinks(self, seq_len: int) -> None:
+        """Refuse ``sink_tokens`` at or past the chunk width at this length, in one line."""
+        width = self.chunk_width(seq_len)
+        if self.sink_tokens and width is not None and self.sink_tokens >= width:
+            raise ValueError(f"{self!r}: sink_tokens={self.sink_tokens} must be in [0, {width}) at sequence length {seq_len} "
+                             f"(below the chunk width {width}); use fewer sink tokens or fewer chunks")
+
     # --- derived from the rule ------------------------------------------------------------
     def check_heads(self, num_heads: int) -> None:
         if num_heads % self.head_multiple:
@@ -120,9 +144,10 @@ class Pattern:
 
     def rule(self, h: torch.Tensor, i: torch.Tensor, j: torch.Tensor, *, n: int, num_heads: int) -> torch.Tensor:
         """attention-gym style mask_mod before causality: True where query i of head h may
-        attend key j. Derived from ``keys``; override it where a progression does not fit."""
+        attend key j: the ``keys`` progression, and the sink tokens ``j < sinks(h)``. Override it
+        where a progression does not fit."""
         lo, hi, step = self.keys(h, i, n, num_heads)
-        return (j >= lo) & (j <= hi) & ((j - lo) % step == 0)
+        return ((j >= lo) & (j <= hi) & ((j - lo) % step == 0)) | (j < self.sinks(h, num_heads))
 
     def visible(self, h: torch.Tensor, i: torch.Tensor, j: torch.Tensor, *, n: int, num_heads: int) -> torch.Tensor:
         """The rule, always intersected with causality: what mask(), visible_pairs() and the
@@ -146,6 +171,7 @@ class Pattern:
         :meth:`widest`, arithmetic for the patterns of this package; a pattern stated by
         ``rule`` alone is not checked."""
         check_int("seq_len", seq_len, repr(self))
+        self.check_sinks(seq_len)
         heads = num_heads or self.fewest_heads()
         widest = None if heads is None else self.widest(seq_len, heads)
         if widest is None:
@@ -159,23 +185,37 @@ class Pattern:
             )
 
     def widest(self, n: int, num_heads: int) -> Optional[list[int]]:
-        """Per head, the most keys any query sees at length ``n`` (causality included); None
-        for a pattern stated by ``rule`` alone. This default reads the progression in
-        O(H·N) row blocks; the patterns of this package state it in closed form, so that a
-        length is checked without building anything the length's size."""
+        """Per head, the most keys any query sees at length ``n`` (causality and sink tokens
+        included); None for a pattern stated by ``rule`` alone. This default reads the
+        progression in O(H·N) row blocks; the patterns of this package state it in closed
+        form, so that a length is checked without building anything the length's size."""
         i = torch.arange(n)[None, :]
         block = max(1, (1 << 22) // n)  # heads per step: at most ~4M entries
         out: list[int] = []
         for first in range(0, num_heads, block):
             h = torch.arange(first, min(num_heads, first + block))[:, None]
             try:
-                lo, hi, step = self.keys(h, i, n, num_heads)
+                count = self.counts(h, i, n, num_heads)
             except NotImplementedError:
                 return None
-            hi = torch.minimum(hi, i)
-            count = torch.where(hi >= lo, torch.div(hi - lo, step, rounding_mode="floor") + 1, 0)
             out += count.expand(len(h), n).max(dim=1).values.tolist()
         return out
+
+    def past_sinks(self, h: torch.Tensor, i: torch.Tensor, n: int, num_heads: int) -> tuple[Keys, torch.Tensor]:
+        """The visible set as two disjoint parts: the ``keys`` progression started past the
+        head's sink tokens, and the sink count (what the block layout and the pair counts read).
+        Raises NotImplementedError for a pattern stated by ``rule`` alone."""
+        lo, hi, step = self.keys(h, i, n, num_heads)
+        sink = self.sinks(h, num_heads)
+        return (above(lo, step, sink), hi, step), sink
+
+    def counts(self, h: torch.Tensor, i: torch.Tensor, n: int, num_heads: int) -> torch.Tensor:
+        """How many keys query ``i`` of head ``h`` sees (broadcast int tensors): its sinks, then
+        its progression's keys past them, causally. Raises NotImplementedError for a pattern
+        stated by ``rule`` alone."""
+        (lo, hi, step), sink = self.past_sinks(h, i, n, num_heads)
+        hi = torch.minimum(hi, i)
+        return torch.where(hi >= lo, torch.div(hi - lo, step, rounding_mode="floor") + 1, 0) + torch.minimum(sink, i + 1)
 
     def fewest_heads(self) -> Optional[int]:
         """The fewest heads the pattern can split (a multiple of ``head_multiple``, up to 256 of
@@ -195,11 +235,9 @@ class Pattern:
         h = torch.arange(num_heads)[:, None]
         i = torch.arange(seq_len)[None, :]
         try:
-            lo, hi, step = self.keys(h, i, seq_len, num_heads)
+            count = self.counts(h, i, seq_len, num_heads)
         except NotImplementedError:
             return self._count_visible(seq_len, num_heads)
-        hi = torch.minimum(hi, i)
-        count = torch.where(hi >= lo, torch.div(hi - lo, step, rounding_mode="floor") + 1, 0)
         return int(count.expand(num_heads, seq_len).sum())
 
     def _count_visible(self, n: int, num_heads: int) -> int:
@@ -265,6 +303,12 @@ class HeadSlice(Pattern):
     def widest(self, n, num_heads):
         whole = self.pattern.widest(n, self.total)
         return None if whole is None else whole[self.offset : self.offset + num_heads]
+
+    def sinks(self, h, num_heads):
+        return self.pattern.sinks(h + self.offset, self.total)
+
+    def check_sinks(self, seq_len):
+        self.pattern.check_sinks(seq_len)
 
     def rule(self, h, i, j, *, n, num_heads):
         return self.pattern.rule(h + self.offset, i, j, n=n, num_heads=self.total)

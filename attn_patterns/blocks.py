@@ -57,7 +57,9 @@ class BlockLayout:
     uncompressed heads have stride 1, start 0, rows n. Per row, ``lo``/``hi``/``step`` (H, R)
     give the visible keys ``lo, lo+step, ..., hi`` in these coordinates, causality applied
     and ``hi`` the last visible key; ``hi < lo`` (canonically 0, -1) sees nothing, as do
-    rows ``m >= rows[h]``.
+    rows ``m >= rows[h]``. ``sinks`` (H): besides those, row m of head h sees keys
+    ``[0, min(sinks[h], m + 1))``, its sink tokens (the progression starts past them, so no
+    key is seen twice); a head with sinks is never compressed.
 
     Key blocks (of ``block_k`` keys) per (head, query block of ``block_q`` rows), as *runs* of
     consecutive blocks ``[first, last]``, ascending: ``full_runs`` (H, NQB, ·, 2) with
@@ -87,6 +89,7 @@ class BlockLayout:
     lo: torch.Tensor
     hi: torch.Tensor
     step: torch.Tensor
+    sinks: torch.Tensor
     full_runs: torch.Tensor
     full_run_counts: torch.Tensor
     partial_runs: torch.Tensor
@@ -103,6 +106,7 @@ class BlockLayout:
     compressed: bool  # some head has stride > 1: the positions it does not own see nothing
     stepped: bool  # some row's progression has step > 1 in layout coordinates (masks test it)
     pairs: int  # visible (query, key) pairs, = pattern.visible_pairs(n, num_heads)
+    sunk: bool  # some head has sink tokens (the kernels test them)
     cache: dict = field(default_factory=dict, repr=False)  # what is derived from the layout on use
 
     @property
@@ -173,14 +177,16 @@ def _build(pattern: Any, n: int, num_heads: int, *, block_q: int, block_k: int, 
     heads = num_heads
     h = torch.arange(heads, device=device)[:, None]
     i = torch.arange(n, device=device)[None, :]
+    past_sinks = getattr(pattern, "past_sinks", None)  # a Pattern's; DCA's chunk rows have no sinks
     try:
-        keys = pattern.keys(h, i, n, heads)
+        keys, sink = past_sinks(h, i, n, heads) if past_sinks else (pattern.keys(h, i, n, heads), torch.zeros_like(h))
     except NotImplementedError:
         raise ValueError(
             f"{pattern!r}: a block layout is read from the pattern's keys progression and this pattern states only "
             "a rule (mask_mod); use backend='flex' or 'sdpa' for it"
         ) from None
     lo, hi, step = (torch.broadcast_to(torch.as_tensor(x, device=device), (heads, n)).to(torch.int64) for x in keys)
+    sink = torch.broadcast_to(torch.as_tensor(sink, device=device), (heads, 1)).to(torch.int64)  # counted apart from lo..hi
     pos = i.expand(heads, n)
     hi = torch.minimum(hi, pos)
     seen = hi >= lo
@@ -190,9 +196,11 @@ def _build(pattern: Any, n: int, num_heads: int, *, block_q: int, block_k: int, 
     hi = torch.where(seen, lo + torch.div(hi - lo, step, rounding_mode="floor") * step, -1)  # the last visible key
     lo = torch.where(seen, lo, 0)
     pairs = int(torch.where(seen, torch.div(hi - lo, step, rounding_mode="floor") + 1, 0).sum())
+    pairs += int(torch.minimum(sink, pos + 1).sum())
 
-    if strided:
+    if strided:  # a head with sinks is not compressed: its rows of every residue see them
         stride, start = _dilation(lo, step, pos, seen)
+        stride, start = torch.where(sink[:, 0] > 0, 1, stride), torch.where(sink[:, 0] > 0, 0, start)
     else:
         stride, start = torch.ones_like(h[:, 0]), torch.zeros_like(h[:, 0])
     rows = torch.div(n - start + stride - 1, stride, rounding_mode="floor")
@@ -208,7 +216,9 @@ def _build(pattern: Any, n: int, num_heads: int, *, block_q: int, block_k: int, 
     step = torch.where(seen, torch.div(step, squeeze, rounding_mode="floor"), 1)
 
     nqb, nkb = -(-width // block_q), -(-width // block_k)
-    full, partial = _runs(lo, hi, step, seen, owned=owned, block_q=block_q, block_k=block_k, nqb=nqb, nkb=nkb)
+    sink_hi = torch.where(owned, torch.minimum(sink, m + 1) - 1, -1)  # per row, its last sink (uncompressed heads)
+    full, partial = _runs(lo, hi, step, seen, owned=owned, sink_hi=sink_hi, block_q=block_q, block_k=block_k, nqb=nqb,
+                          nkb=nkb)
     i32 = lambda x: x.to(torch.int32).contiguous()  # noqa: E731
     if variants is not None and bool((stride > 1).any()):
         raise ValueError(f"{pattern!r}: query variants take uncompressed heads only (build with strided=False)")
@@ -225,8 +235,10 @@ def _build(pattern: Any, n: int, num_heads: int, *, block_q: int, block_k: int, 
     lists["variants"] = 1 if variants is None else variants.count
     return BlockLayout(
         n=n, num_heads=heads, block_q=block_q, block_k=block_k, strided=strided,
-        stride=i32(stride), start=i32(start), rows=i32(rows), lo=i32(lo), hi=i32(hi), step=i32(step), **lists,
+        stride=i32(stride), start=i32(start), rows=i32(rows), lo=i32(lo), hi=i32(hi), step=i32(step), sinks=i32(sink[:, 0]),
+        **lists,
         compressed=bool((stride > 1).any()), stepped=bool((step[seen] > 1).any()), pairs=pairs,
+        sunk=bool((sink > 0).any()),
     )
 
 
@@ -244,17 +256,21 @@ def _dilation(lo: torch.Tensor, step: torch.Tensor, pos: torch.Tensor, seen: tor
     return torch.where(dilated, theta, 1), torch.where(dilated, r, 0)
 
 
-def _runs(lo, hi, step, seen, *, owned, block_q: int, block_k: int, nqb: int, nkb: int):
+def _runs(lo, hi, step, seen, *, owned, sink_hi, block_q: int, block_k: int, nqb: int, nkb: int):
     """``(group, first, last)`` of the full and of the partial runs of key blocks, group =
     head·NQB + query block, sorted by (group, first). Per query block, the union of its rows'
-    key-block intervals is merged after one sort (O(H·N log N)); the blocks every real row
-    sees entirely form one range inside it, full, and the rest of the union is partial."""
+    key-block intervals (their progressions' and their sinks' ``[0, sink_hi]``) is merged
+    after one sort (O(H·N log N)); the blocks every real row's progression covers entirely
+    form one range inside it, full, and the rest of the union is partial (sink blocks
+    among them: the kernels mask them with the sinks)."""
     heads, width = lo.shape
     device = lo.device
     h = torch.arange(heads, device=device)[:, None].expand(heads, width)
     qb = torch.arange(width, device=device)[None, :].expand(heads, width) // block_q
-    group = (h * nqb + qb)[seen]
-    first, last = (lo // block_k)[seen], (hi // block_k)[seen]
+    sunk = sink_hi >= 0
+    group = torch.cat([(h * nqb + qb)[seen], (h * nqb + qb)[sunk]])
+    first = torch.cat([(lo // block_k)[seen], torch.zeros_like(sink_hi[sunk])])
+    last = torch.cat([(hi // block_k)[seen], (sink_hi // block_k)[sunk]])
     span = nkb + 1  # a group's keys stay below the next group's
     order = torch.argsort(group * span + first)
     group, first, last = group[order], first[order], last[order]

@@ -45,14 +45,16 @@ def compiled_flex() -> Callable[..., Any]:
     return torch.compile(flex_attention, dynamic=True)
 
 
-def progression_mask(lo: torch.Tensor, hi: torch.Tensor, step: torch.Tensor) -> Callable[..., torch.Tensor]:
+def progression_mask(lo: torch.Tensor, hi: torch.Tensor, step: torch.Tensor, sinks: torch.Tensor) -> Callable[..., torch.Tensor]:
     """The mask_mod of every pattern: key ``kv`` is visible to row (head, q) when it lies on
     ``lo[h, q], lo[h, q] + step[h, q], ..., hi[h, q]`` (``hi`` already causal; ``hi < lo``:
-    nothing). Only the captured tensors change between patterns, never the code."""
+    nothing) or is one of the head's sink tokens, ``kv < sinks[h]`` and ``kv <= q``. Only the
+    captured tensors change between patterns, never the code."""
 
     def mask_mod(batch, head, q_idx, kv_idx):
         first = lo[head, q_idx]
-        return (kv_idx >= first) & (kv_idx <= hi[head, q_idx]) & ((kv_idx - first) % step[head, q_idx] == 0)
+        own = (kv_idx >= first) & (kv_idx <= hi[head, q_idx]) & ((kv_idx - first) % step[head, q_idx] == 0)
+        return own | ((kv_idx < sinks[head]) & (kv_idx <= q_idx))
 
     return mask_mod
 
@@ -82,7 +84,7 @@ def _blocks_and_mask_mod(pattern, n: int, num_heads: int, device: torch.device):
         width = layout.num_k_blocks
         lists = (layout.partial_counts, _widen(layout.partial_indices, width),
                  layout.full_counts, _widen(layout.full_indices, width))
-        return lists, progression_mask(*(x.to(device) for x in (layout.lo, layout.hi, layout.step)))
+        return lists, progression_mask(*(x.to(device) for x in (layout.lo, layout.hi, layout.step, layout.sinks)))
     # a rule alone has no layout: every causal block is partial, the rule decides inside
     blocks = -(-n // BLOCK)
     lists = (torch.arange(1, blocks + 1, dtype=torch.int32).expand(num_heads, blocks),

@@ -49,13 +49,18 @@ class Piece:
     """Query ``heads`` at ``rows`` attend the key rows ``keys`` (block c to block c): every one
     of them, or square causal (row t sees key rows up to t). The first ``skip`` rows of each
     block are computed only because a square call needs them and are not written: their keys
-    are another piece's."""
+    are another piece's. Every row also sees the first ``prefix`` keys of the sequence (its
+    sink tokens, none of them among ``keys``, all before every row): they are copied in front
+    of each block's keys, and a square-causal piece gets as many zero rows in front of its
+    queries, computed and not written, so the call stays square causal, one call (the
+    one copy this module makes: O(rows + blocks·prefix))."""
 
     heads: range
     rows: Rows
     keys: Rows
     causal: bool
     skip: int = 0
+    prefix: int = 0
 
     def moved(self, heads: int) -> "Piece":
         """This piece on the heads ``heads`` further on (a part of a head mix)."""
@@ -95,6 +100,12 @@ class _View:
         return x.as_strided((*self.sizes, x.shape[3]), (*(at(step) for step in self.steps), strides[3]),
                             x.storage_offset() + at(self.base))
 
+    def first(self, rows: int) -> "_View":
+        """The first ``rows`` positions of the same sequences and heads (x0's steps through rows
+        dropped): a call's sink tokens."""
+        (seq, head, _), steps = self.steps[0], self.steps[1:]
+        return _View((self.base[0], self.base[1], 0), (self.sizes[0], self.sizes[1], rows), ((seq, head, 0), steps[0], (0, 0, 1)))
+
     def then(self, other: "_View") -> Optional["_View"]:
         """This view with ``other`` (one entry of x0) as its next entry of x0, where ``other`` has
         the same shape, continues the progression of bases by a step forward in sequence, head
@@ -120,13 +131,20 @@ class _Call:
     out: _View
     causal: bool
     skip: int
+    prefix: int = 0
 
     def then(self, other: "_Call") -> Optional["_Call"]:
         """One call for both, ``other`` joined along the batch (:meth:`_View.then`)."""
-        if (self.causal, self.skip) != (other.causal, other.skip):
+        if (self.causal, self.skip, self.prefix) != (other.causal, other.skip, other.prefix):
             return None
         views = [a.then(b) for a, b in ((self.q, other.q), (self.kv, other.kv), (self.out, other.out))]
         return None if None in views else replace(self, q=views[0], kv=views[1], out=views[2])
+
+    def sinks(self) -> _View:
+        """The view of the call's ``prefix`` sink keys: one entry, broadcast over the batch, where
+        every entry of the batch reads the same (the blocks of one sequence)."""
+        view = self.kv.first(self.prefix)
+        return replace(view, sizes=(1, *view.sizes[1:])) if view.steps[0] == (0, 0, 0) else view
 
 
 @dataclass(frozen=True)
@@ -222,7 +240,7 @@ def _kv_split(heads: range, groups: int) -> tuple[tuple[range, range], ...]:
 class _Plan:
     calls: tuple[_Call, ...]
     q: _Writes  # the queries' gradient
-    kv: _Writes  # the keys' and values' gradients
+    kv: _Writes  # the keys' and values' gradients: the calls' keys, then the sinks of those with a prefix
     out: _Writes  # the output, the calls' parts first, then the extras'
     whole: bool  # one call over all of q, k and v: it is the output
 
@@ -241,7 +259,8 @@ def _plan(pieces: tuple[Piece, ...], batch: int, heads: int, kv_heads: int, *, n
         for q_heads, kv_heads_ in _kv_split(piece.heads, heads // kv_heads):
             for seq in seqs:
                 call = _Call(_View.at(q_heads, piece.rows, seq, batch), _View.at(kv_heads_, piece.keys, seq, batch),
-                             _View.at(q_heads, piece.rows.after(piece.skip), seq, batch), piece.causal, piece.skip)
+                             _View.at(q_heads, piece.rows.after(piece.skip), seq, batch), piece.causal, piece.skip,
+                             piece.prefix)
                 for i, earlier in enumerate(calls):
                     joined = earlier.then(call)
                     if joined:
@@ -251,9 +270,10 @@ def _plan(pieces: tuple[Piece, ...], batch: int, heads: int, kv_heads: int, *, n
                     calls.append(call)
     outs = [call.out for call in calls] + [_View.at(h, Rows(0, n), None, batch) for h in extras]
     everything = _View.at(range(heads), Rows(0, n), None, batch), _View.at(range(kv_heads), Rows(0, n), None, batch)
-    whole = len(outs) == len(calls) == 1 and (calls[0].q, calls[0].kv) == everything and not calls[0].skip
+    whole = len(outs) == len(calls) == 1 and (calls[0].q, calls[0].kv) == everything and not (calls[0].skip or calls[0].prefix)
     return _Plan(tuple(calls), _Writes.of([c.q for c in calls], (batch, heads, n)),
-                 _Writes.of([c.kv for c in calls], (batch, kv_heads, n)), _Writes.of(outs, (batch, heads, n)), whole)
+                 _Writes.of([c.kv for c in calls] + [c.sinks() for c in calls if c.prefix], (batch, kv_heads, n)),
+                 _Writes.of(outs, (batch, heads, n)), whole)
 
 
 def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pieces: Sequence[Piece], *, backend: str,
@@ -267,9 +287,26 @@ def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pieces: Sequence[Piec
         return attend(q, k, v, causal=plan.calls[0].causal, backend=backend)
     qs, ks, vs = (_Views.apply(x, writes) if plan.calls else () for x, writes in
                   ((q, plan.q), (k, plan.kv), (v, plan.kv)))
-    parts = []
+    parts, sinks = [], iter(zip(ks[len(plan.calls):], vs[len(plan.calls):]))
     with piece_kernels(q.device.type):
         for call, qv, kv, vv in zip(plan.calls, qs, ks, vs):
+            if call.prefix:
+                qv, kv, vv = _with_sinks(call.causal, (qv, kv, vv), next(sinks))
             out = attend(qv, kv, vv, causal=call.causal, backend=backend)
-            parts.append(out[:, :, call.skip :] if call.skip else out)
+            start = call.skip + (call.prefix if call.causal else 0)
+            parts.append(out[:, :, start:] if start else out)
     return _Assemble.apply((b, h, n, d), plan.out, *parts, *(out for _, out in extras))
+
+
+def _with_sinks(causal: bool, views: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                sinks: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A call's q, k, v ``views`` with its sink keys and values (:meth:`_Call.sinks`, views
+    whose gradients go into the same buffers as the calls') in front of each block's keys, and
+    for a square-causal call as many zero query rows in front of its queries (their rows are
+    dropped from the output; zeros keep their scores finite, so their gradient is 0)."""
+    qv, kv, vv = views
+    kv, vv = (torch.cat([sink.expand(x.shape[0], -1, -1, -1), x], dim=2) for sink, x in zip(sinks, (kv, vv)))
+    if causal:
+        prefix = sinks[0].shape[2]
+        qv = torch.cat([qv.new_zeros(*qv.shape[:2], prefix, qv.shape[3]), qv], dim=2)
+    return qv, kv, vv

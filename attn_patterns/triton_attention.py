@@ -154,12 +154,12 @@ def _add_rows(block, value, offs_q, offs_d, row_stride, count):
 
 
 @triton.jit
-def _fwd_block(acc, m_i, l_i, q, k_head, v_head, kb, start, dil, rows, lo, hi, step, sk_n, sv_n, qk_scale,
+def _fwd_block(acc, m_i, l_i, q, k_head, v_head, kb, start, dil, rows, lo, hi, step, shi, sk_n, sv_n, qk_scale,
                offs_k, offs_d, BLOCK_K: tl.constexpr, MASKED: tl.constexpr,
-               STEPPED: tl.constexpr, PRECISION: tl.constexpr):
+               STEPPED: tl.constexpr, SINKS: tl.constexpr, PRECISION: tl.constexpr):
     """One key block of the online softmax. Full blocks lie inside every real row's keys (so
     inside the sequence): no mask; partial ones mask keys past the end and outside the rows'
-    progressions."""
+    progressions and sinks (``shi``: each row's last sink, -1 for none)."""
     first = (start + dil * kb * BLOCK_K).to(tl.int64)
     kt_ptrs = k_head + first * sk_n + (offs_k * (dil * sk_n))[None, :] + offs_d[:, None]
     v_ptrs = v_head + first * sv_n + (offs_k * (dil * sv_n))[:, None] + offs_d[None, :]
@@ -175,6 +175,8 @@ def _fwd_block(acc, m_i, l_i, q, k_head, v_head, kb, start, dil, rows, lo, hi, s
         vis = (t[None, :] >= lo[:, None]) & (t[None, :] <= hi[:, None])
         if STEPPED:
             vis = vis & ((t[None, :] - lo[:, None]) % step[:, None] == 0)
+        if SINKS:
+            vis = vis | (t[None, :] <= shi[:, None])
         s = tl.where(vis, s, float("-inf"))
     return online_softmax_step(acc, m_i, l_i, s, v, PRECISION)
 
@@ -222,10 +224,11 @@ def _list(part: tl.constexpr, FULL_N, FULL_R, FULL_V, WIDTH_F, PART_N, PART_R, P
 
 
 @triton.jit
-def _query_block(STRIDE, START, ROWS, LO, HI, STEP, R, h, qb, offs_q, BLOCK_Q: tl.constexpr):
+def _query_block(STRIDE, START, ROWS, LO, HI, STEP, SINK, R, h, qb, offs_q, BLOCK_Q: tl.constexpr):
     """Query block ``qb`` of head ``h``, as the forward and dQ kernels both read it: the head's
-    rows, dilation and start, the block's first position, which of its rows are real, and
-    each row's visible key range (``lo``, ``hi``, ``step``) from the layout."""
+    rows, dilation and start, the block's first position, which of its rows are real, each
+    row's visible key range (``lo``, ``hi``, ``step``) from the layout and its last sink
+    token ``shi`` (-1: none; a head with sinks is uncompressed, so row m is position m)."""
     rows = tl.load(ROWS + h)
     dil = tl.load(STRIDE + h)
     start = tl.load(START + h)
@@ -235,19 +238,21 @@ def _query_block(STRIDE, START, ROWS, LO, HI, STEP, R, h, qb, offs_q, BLOCK_Q: t
     lo = tl.load(LO + h * R + m, mask=real, other=0)
     hi = tl.load(HI + h * R + m, mask=real, other=-1)
     step = tl.load(STEP + h * R + m, mask=real, other=1)
-    return rows, dil, start, first, real, lo, hi, step
+    shi = tl.where(real, tl.minimum(tl.load(SINK + h), m + 1) - 1, -1)
+    return rows, dil, start, first, real, lo, hi, step, shi
 
 
 @triton.jit
 def _fwd_kernel(Q, K, V, O, LSE,
                 sq_v, sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, so_b, so_h, so_n,
-                STRIDE, START, ROWS, LO, HI, STEP, R,
+                STRIDE, START, ROWS, LO, HI, STEP, SINK, R,
                 FULL_N, FULL_R, FULL_V, PART_N, PART_R, PART_V, NQB, WIDTH_F, WIDTH_P,
                 H, N, GROUPS, qk_scale,
                 BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
-                STEPPED: tl.constexpr, VARIANTS: tl.constexpr, PRECISION: tl.constexpr):
+                STEPPED: tl.constexpr, SINKS: tl.constexpr, VARIANTS: tl.constexpr, PRECISION: tl.constexpr):
     qb, b, h, offs_q, offs_k, offs_d = program_offsets(H, BLOCK_Q, BLOCK_K, BLOCK_D)
-    rows, dil, start, first, real, lo, hi, step = _query_block(STRIDE, START, ROWS, LO, HI, STEP, R, h, qb, offs_q, BLOCK_Q)
+    rows, dil, start, first, real, lo, hi, step, shi = _query_block(STRIDE, START, ROWS, LO, HI, STEP, SINK, R, h, qb,
+                                                                    offs_q, BLOCK_Q)
     io_mask = real[:, None]
     q_block = Q + b * sq_b + h * sq_h + first * sq_n
     if VARIANTS == 1:
@@ -265,8 +270,9 @@ def _fwd_kernel(Q, K, V, O, LSE,
                 q = _run_rows(q_block + tl.load(variants + entry * width + r).to(tl.int64) * sq_v, offs_q, offs_d,
                               dil * sq_n, rows - qb * BLOCK_Q)
             for kb in range(tl.load(run), tl.load(run + 1) + 1):
-                acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_head, v_head, kb, start, dil, rows, lo, hi, step, sk_n,
-                                           sv_n, qk_scale, offs_k, offs_d, BLOCK_K, part == 1, STEPPED, PRECISION)
+                acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_head, v_head, kb, start, dil, rows, lo, hi, step, shi,
+                                           sk_n, sv_n, qk_scale, offs_k, offs_d, BLOCK_K, part == 1, STEPPED, SINKS,
+                                           PRECISION)
     empty = l_i == 0.0  # rows that see no key: output 0, LSE +inf (so the backward's p is 0)
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     tl.store(O + b * so_b + h * so_h + first * so_n + (offs_q * (dil * so_n))[:, None] + offs_d[None, :],
@@ -292,9 +298,9 @@ def _delta_kernel(O, DO, DELTA, so_b, so_h, so_n, sd_b, sd_h, sd_n, H, N,
 
 
 @triton.jit
-def _dq_block(dq, q, do, lse, delta, k_head, v_head, kb, start, dil, rows, lo, hi, step, sk_n, sv_n, qk_scale,
+def _dq_block(dq, q, do, lse, delta, k_head, v_head, kb, start, dil, rows, lo, hi, step, shi, sk_n, sv_n, qk_scale,
               offs_k, offs_d, BLOCK_K: tl.constexpr, MASKED: tl.constexpr,
-              STEPPED: tl.constexpr, PRECISION: tl.constexpr):
+              STEPPED: tl.constexpr, SINKS: tl.constexpr, PRECISION: tl.constexpr):
     first = (start + dil * kb * BLOCK_K).to(tl.int64)
     kt_ptrs = k_head + first * sk_n + (offs_k * (dil * sk_n))[None, :] + offs_d[:, None]
     vt_ptrs = v_head + first * sv_n + (offs_k * (dil * sv_n))[None, :] + offs_d[:, None]
@@ -310,6 +316,8 @@ def _dq_block(dq, q, do, lse, delta, k_head, v_head, kb, start, dil, rows, lo, h
         vis = (t[None, :] >= lo[:, None]) & (t[None, :] <= hi[:, None])
         if STEPPED:
             vis = vis & ((t[None, :] - lo[:, None]) % step[:, None] == 0)
+        if SINKS:
+            vis = vis | (t[None, :] <= shi[:, None])
         p = tl.where(vis, p, 0.0)
     dp = tl.dot(do, vt, input_precision=PRECISION)
     ds = p * (dp - delta[:, None])
@@ -321,15 +329,16 @@ def _dq_block(dq, q, do, lse, delta, k_head, v_head, kb, start, dil, rows, lo, h
 def _dq_kernel(Q, K, V, DO, DQ, LSE, DELTA,
                sq_v, sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sd_b, sd_h, sd_n,
                sdq_v, sdq_b, sdq_h, sdq_n,
-               STRIDE, START, ROWS, LO, HI, STEP, R,
+               STRIDE, START, ROWS, LO, HI, STEP, SINK, R,
                FULL_N, FULL_R, FULL_V, PART_N, PART_R, PART_V, NQB, WIDTH_F, WIDTH_P,
                H, N, GROUPS, qk_scale, sm_scale,
                BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
-               STEPPED: tl.constexpr, VARIANTS: tl.constexpr, PRECISION: tl.constexpr):
+               STEPPED: tl.constexpr, SINKS: tl.constexpr, VARIANTS: tl.constexpr, PRECISION: tl.constexpr):
     """dQ of one (batch, head, query block), over the forward's lists; with variants, ``dq``
     holds copy ``held``'s share and is added into its gradient when the runs' copy changes."""
     qb, b, h, offs_q, offs_k, offs_d = program_offsets(H, BLOCK_Q, BLOCK_K, BLOCK_D)
-    rows, dil, start, first, real, lo, hi, step = _query_block(STRIDE, START, ROWS, LO, HI, STEP, R, h, qb, offs_q, BLOCK_Q)
+    rows, dil, start, first, real, lo, hi, step, shi = _query_block(STRIDE, START, ROWS, LO, HI, STEP, SINK, R, h, qb,
+                                                                    offs_q, BLOCK_Q)
     io_mask = real[:, None]
     q_block = Q + b * sq_b + h * sq_h + first * sq_n
     dq_block = DQ + b * sdq_b + h * sdq_h + first * sdq_n
@@ -359,8 +368,8 @@ def _dq_kernel(Q, K, V, DO, DQ, LSE, DELTA,
                     held = var
                 q = _run_rows(q_block + var.to(tl.int64) * sq_v, offs_q, offs_d, dil * sq_n, rows - qb * BLOCK_Q)
             for kb in range(tl.load(run), tl.load(run + 1) + 1):
-                dq = _dq_block(dq, q, do, lse, delta, k_head, v_head, kb, start, dil, rows, lo, hi, step, sk_n, sv_n,
-                               qk_scale, offs_k, offs_d, BLOCK_K, part == 1, STEPPED, PRECISION)
+                dq = _dq_block(dq, q, do, lse, delta, k_head, v_head, kb, start, dil, rows, lo, hi, step, shi, sk_n, sv_n,
+                               qk_scale, offs_k, offs_d, BLOCK_K, part == 1, STEPPED, SINKS, PRECISION)
     if VARIANTS > 1:
         _add_rows(dq_block + held.to(tl.int64) * sdq_v, dq * sm_scale, offs_q, offs_d, dil * sdq_n, rows - qb * BLOCK_Q)
     else:
@@ -369,10 +378,11 @@ def _dq_kernel(Q, K, V, DO, DQ, LSE, DELTA,
 
 
 @triton.jit
-def _dkv_block(dk, dv, k, v, q_head, do_head, rowwise, qb, t, start, dil, rows, lo_row, hi_row, step_row,
+def _dkv_block(dk, dv, k, v, q_head, do_head, rowwise, qb, t, start, dil, rows, lo_row, hi_row, step_row, sink,
                sq_n, sd_n, qk_scale, offs_q, offs_d, BLOCK_Q: tl.constexpr, MASKED: tl.constexpr,
-               STEPPED: tl.constexpr, PRECISION: tl.constexpr):
-    """One query block's contribution to a key block's dK/dV (transposed: keys are rows)."""
+               STEPPED: tl.constexpr, SINKS: tl.constexpr, PRECISION: tl.constexpr):
+    """One query block's contribution to a key block's dK/dV (transposed: keys are rows);
+    ``sink``: the head's sink tokens (its rows are positions then)."""
     m = qb * BLOCK_Q + offs_q
     real = m < rows
     io_mask = real[:, None]
@@ -389,6 +399,8 @@ def _dkv_block(dk, dv, k, v, q_head, do_head, rowwise, qb, t, start, dil, rows, 
         if STEPPED:
             step = tl.load(step_row + m, mask=real, other=1)
             vis = vis & ((t[:, None] - lo[None, :]) % step[None, :] == 0)
+        if SINKS:
+            vis = vis | (t[:, None] <= (tl.minimum(sink, m + 1) - 1)[None, :])
         pt = tl.where(vis, pt, 0.0)
     dv += tl.dot(pt.to(do.dtype), do, input_precision=PRECISION)
     dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)
@@ -402,11 +414,11 @@ def _dkv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA,
                 sq_v, sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sd_b, sd_h, sd_n,
                 sdk_b, sdk_h, sdk_n, sdv_b, sdv_h, sdv_n,
                 UNIT_HEADS, UNIT_COUNT, UNIT_KV, UNIT_OUT, U, UNIT_WIDTH,
-                STRIDE, START, ROWS, LO, HI, STEP, R,
+                STRIDE, START, ROWS, LO, HI, STEP, SINK, R,
                 FULL_N, FULL_R, FULL_V, PART_N, PART_R, PART_V, NKB, WIDTH_F, WIDTH_P,
                 H, N, qk_scale, sm_scale,
                 BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
-                STEPPED: tl.constexpr, VARIANTS: tl.constexpr, PRECISION: tl.constexpr):
+                STEPPED: tl.constexpr, SINKS: tl.constexpr, VARIANTS: tl.constexpr, PRECISION: tl.constexpr):
     """dK/dV of one (batch, unit, key block): the unit's query heads, each over its transposed
     lists, accumulated in registers and stored once at the unit's output head."""
     kb = tl.program_id(0)
@@ -435,6 +447,7 @@ def _dkv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA,
         q_head = Q + b * sq_b + h * sq_h
         do_head = DO + b * sd_b + h * sd_h
         rowwise = (LSE + (b * H + h) * N, DELTA + (b * H + h) * N)
+        sink = tl.load(SINK + h)
         entry = h * NKB + kb
         for part in tl.static_range(2):  # the FULL runs, then the PART (masked) runs
             count, runs, variants, width = _list(part, FULL_N, FULL_R, FULL_V, WIDTH_F, PART_N, PART_R, PART_V, WIDTH_P)
@@ -445,8 +458,8 @@ def _dkv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA,
                     q_run = q_head + tl.load(variants + entry * width + r).to(tl.int64) * sq_v
                 for qb in range(tl.load(run), tl.load(run + 1) + 1):
                     dk, dv = _dkv_block(dk, dv, k, v, q_run, do_head, rowwise, qb, t, start, dil, rows,
-                                        LO + h * R, HI + h * R, STEP + h * R, sq_n, sd_n, qk_scale, offs_q, offs_d,
-                                        BLOCK_Q, part == 1, STEPPED, PRECISION)
+                                        LO + h * R, HI + h * R, STEP + h * R, sink, sq_n, sd_n, qk_scale, offs_q, offs_d,
+                                        BLOCK_Q, part == 1, STEPPED, SINKS, PRECISION)
     out = tl.load(UNIT_OUT + u)
     tl.store(DK + b * sdk_b + out * sdk_h + first * sdk_n + (offs_k * (dil * sdk_n))[:, None] + offs_d[None, :],
              (dk * sm_scale).to(DK.dtype.element_ty), mask=io_mask)
@@ -500,12 +513,12 @@ def _lists(layout: BlockLayout, transposed: bool) -> tuple:
     kind = "_q" if transposed else ""
     f_n, f_r, f_v = (getattr(layout, f"full{kind}_run{x}") for x in ("_counts", "s", "_variants"))
     p_n, p_r, p_v = (getattr(layout, f"partial{kind}_run{x}") for x in ("_counts", "s", "_variants"))
-    return (layout.stride, layout.start, layout.rows, layout.lo, layout.hi, layout.step, layout.lo.shape[1],
+    return (layout.stride, layout.start, layout.rows, layout.lo, layout.hi, layout.step, layout.sinks, layout.lo.shape[1],
             f_n, f_r, f_v, p_n, p_r, p_v, f_n.shape[1], f_r.shape[2], p_r.shape[2])
 
 
 def _flags(layout: BlockLayout, tile: Tiles) -> dict[str, Any]:
-    return dict(BLOCK_Q=tile.block_q, BLOCK_K=tile.block_k, STEPPED=layout.stepped, VARIANTS=layout.variants,
+    return dict(BLOCK_Q=tile.block_q, BLOCK_K=tile.block_k, STEPPED=layout.stepped, SINKS=layout.sunk, VARIANTS=layout.variants,
                 num_warps=tile.warps, num_stages=tile.stages)
 
 

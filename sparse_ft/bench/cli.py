@@ -86,6 +86,12 @@ def configure(bench: argparse.ArgumentParser) -> None:
     t.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=None,
                    help="default: on for the GPU models, 1b and 8b (as the recipes train), off for tiny")
     t.add_argument("--backend", default=None, help=f"the patterns' backend, as attention.backend: {BACKENDS} (default: sdpa)")
+    t.add_argument("--dense-layers", default=None,
+                   help="as attention.dense_layers: layers that attend fully (comma list of indices, or 'last n'); "
+                        "each pattern is also measured with them")
+    t.add_argument("--dense-final-fraction", type=float, default=0.0,
+                   help="as train.dense_final_fraction: the all-dense step is measured too, and each pattern's run "
+                        "as the mean of its step and the dense step weighted by this fraction")
     t.set_defaults(func=main_train)
     d = which.add_parser("dca", help="DCA prefill time and peak memory vs causal SDPA (pinned to the kernel SDPA picks)")
     _common(d, "4096,8192,16384,32768", REPEATS["dca"])
@@ -242,6 +248,10 @@ def main_train(args: argparse.Namespace) -> int:
         if "," in args.backend:
             raise ValueError(f"bench train: --backend={args.backend!r} names one backend (the patterns' attention.backend)")
         _backends(args.backend, device, dtype, "bench train: --backend")
+    dense_layers = _dense_layers(args.dense_layers, models.config(args.model, 1).num_hidden_layers)
+    if not 0 <= args.dense_final_fraction <= 1:
+        raise ValueError(f"bench train: --dense-final-fraction {args.dense_final_fraction} must be in [0, 1] "
+                         "(the fraction of a run's steps, the last ones, with full attention in every layer)")
     train_step.trained_methods(patterns, args.backend, dtype)  # the names and backend a recipe takes
     checkpointing = args.model != "tiny" if args.gradient_checkpointing is None else args.gradient_checkpointing
     machine = _machine(device, args)
@@ -252,14 +262,45 @@ def main_train(args: argparse.Namespace) -> int:
              f"patterns {_rounds(args)}, on {machine['machine']}. Speedup: of the medians (and of the mins). Attention "
              f"share a = 1 − no-op step ÷ full step (medians); Amdahl bound = 1 / ((1 − a) + a / ideal), ideal = causal "
              f"pairs ÷ pattern pairs; of bound = speedup ÷ bound. Step peak: {memory['step']}. Attention peak: "
-             f"{memory['attention']}")
+             f"{memory['attention']}{_dense_rows(dense_layers, args.dense_final_fraction)}")
     rows = train_step.run(lengths, patterns, str(device), dtype, warmup=args.warmup, repeats=args.repeats,
                           model=args.model, gradient_checkpointing=checkpointing,
-                          backend=args.backend)
+                          backend=args.backend, dense_layers=dense_layers, dense_final_fraction=args.dense_final_fraction)
     return _sweep(args, title, rows, train_step.markdown,
                   payload={**machine, "dtype": dtype, "model": args.model,
                    "model_config": models.MODELS[args.model], "gradient_checkpointing": checkpointing,
-                   "backend": args.backend, "peak_memory": memory})
+                   "backend": args.backend, "peak_memory": memory, "dense_layers": dense_layers,
+                   "dense_final_fraction": args.dense_final_fraction})
+
+
+def _dense_rows(dense_layers: Any, fraction: float) -> str:
+    """What the rows of ``--dense-layers`` and ``--dense-final-fraction`` are, for the title."""
+    from sparse_ft.bench.train_step import DENSE
+
+    said = [] if not dense_layers else ["Rows '+ full in ...': those layers attend fully (the pattern causal), as "
+                                         "attention.dense_layers trains, ideal over the mean pairs of the layers"]
+    if fraction:
+        said.append(f"Rows 'dense tail {fraction:g}': a run whose last {fraction:g} of steps attend fully in every layer, "
+                    f"(1 − {fraction:g}) × its step + {fraction:g} × the all-dense step (the {DENSE} row), both measured; "
+                    "peak memory the larger")
+    return "".join(f". {sentence}" for sentence in said)
+
+
+def _dense_layers(text: Any, layers: int) -> Any:
+    """``--dense-layers`` as ``attention.dense_layers`` takes it (``last n``, or indices), checked
+    by its rule against the model's ``layers``; ``[]`` when not given."""
+    from sparse_ft.methods import dense_layers_rule
+
+    if text is None:
+        return []
+    try:
+        spec = text if text.strip().lower().startswith("last") else [int(i) for i in text.split(",") if i.strip()]
+    except ValueError:
+        spec = text
+    rule = dense_layers_rule(spec, layers)
+    if rule is not None:
+        raise ValueError(f"bench train: --dense-layers {text!r} is invalid: {rule}")
+    return spec
 
 
 def main_dca(args: argparse.Namespace) -> int:

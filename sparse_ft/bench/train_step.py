@@ -33,6 +33,7 @@ from tqdm import tqdm
 
 import attn_patterns
 from sparse_ft import methods
+from sparse_ft.methods.dense_layers import DenseSpec
 from sparse_ft.modeling.attention import IMPLEMENTATION, install_method, pretrained
 from sparse_ft.bench import models
 from sparse_ft.bench.machine import CallPeak, Timing, bench_dtype, cell, interleaved, ratio
@@ -92,15 +93,46 @@ def amdahl_bound(share: float, ideal: float) -> float:
     return 1 / ((1 - share) + share / ideal)
 
 
-def trained_methods(patterns: Iterable[str], backend: Optional[str], dtype: str) -> dict[str, methods.Method]:
+def trained_methods(patterns: Iterable[str], backend: Optional[str], dtype: str, *,
+                    dense_layers: DenseSpec = (), dense_tail: bool = False) -> dict[str, methods.Method]:
     """``full`` (the model's own attention, the baseline a user would train with) first, then
     each pattern on ``backend``, built as a recipe builds them (bad names, and a backend a
-    pattern cannot run, fail here, before any model is built)."""
+    pattern cannot run, fail here, before any model is built); with ``dense_layers`` each
+    pattern also with those layers attending fully (:func:`dense_layers_name`), as a recipe's
+    ``attention.dense_layers`` trains; with ``dense_tail`` the all-dense step (:data:`DENSE`),
+    which a dense tail takes."""
     chosen = {"full": methods.for_training("full", {}, None, SHORT_NAMES[dtype])[0]}
     for name in patterns:
         if name != "full":
             chosen[name] = methods.for_training(name, {}, backend, SHORT_NAMES[dtype])[0]
+            if dense_layers:
+                chosen[dense_layers_name(name, dense_layers)] = methods.with_dense_layers(chosen[name], dense_layers)
+    if dense_tail:
+        chosen[DENSE] = methods.for_training(DENSE, {}, backend, SHORT_NAMES[dtype])[0]
     return chosen
+
+
+DENSE = "causal"  # a dense tail's step: full attention in every layer on the patterns' kernels
+
+
+def dense_layers_name(pattern: str, dense_layers: DenseSpec) -> str:
+    """The row of ``pattern`` with ``dense_layers`` attending fully."""
+    return f"{pattern} + full in {dense_layers if isinstance(dense_layers, str) else list(dense_layers)}"
+
+
+def dense_tail_name(pattern: str, fraction: float) -> str:
+    """The row of ``pattern``'s run whose last ``fraction`` of steps attend fully."""
+    return f"{pattern}, dense tail {fraction:g}"
+
+
+def visible_pairs(method: methods.Method, n: int, heads: int, layers: int) -> float:
+    """The (query, key) pairs one layer of ``method`` attends on average: a pattern's, or with
+    dense layers the mean over the model's ``layers`` layers."""
+    if isinstance(method, methods.DenseLayers):
+        full = len(methods.dense_layer_indices(method.layers, layers))
+        mean = (layers - full) * visible_pairs(method.method, n, heads, layers) + full * visible_pairs(method.dense, n, heads, layers)
+        return mean / layers
+    return method.pattern.visible_pairs(n, heads)
 
 
 def _registered(name: str, *args: Any, **kwargs: Any) -> Any:
@@ -127,15 +159,23 @@ def _attention_through(net: torch.nn.Module, wrap: Callable[[Callable], Callable
 
 def run(lengths: Iterable[int], patterns: Iterable[str], device: str = "cpu", dtype: str = "fp32",
         *, warmup: int = 1, repeats: int = 3, model: str = "tiny", gradient_checkpointing: bool = False,
-        backend: Optional[str] = None) -> Iterator[StepRow]:
-    """Rows of one length come together, after its last round (round-robin needs them all)."""
+        backend: Optional[str] = None, dense_layers: DenseSpec = (),
+        dense_final_fraction: float = 0.0) -> Iterator[StepRow]:
+    """Rows of one length come together, after its last round (round-robin needs them all).
+    ``dense_layers`` and ``dense_final_fraction`` as a recipe's: each pattern's step is also
+    measured with those layers attending fully, and a dense tail's all-dense step too, whose
+    rows (:func:`dense_tail_name`) are the steps' mean weighted by the fractions of a run each
+    takes, from the two measurements."""
     dev = torch.device(device)
     lengths = list(lengths)
-    chosen = trained_methods(patterns, backend, dtype)
+    patterns = [p for p in patterns if p != "full"]
+    chosen = trained_methods(patterns, backend, dtype, dense_layers=dense_layers, dense_tail=dense_final_fraction > 0)
     net = models.build(model, max(lengths), dev, bench_dtype(dtype))
     net = add_adapters(net, LoraSection(), chosen["full"], gradient_checkpointing).train()
-    vocab, heads = models.vocab_size(model), models.config(model, max(lengths)).num_attention_heads
+    vocab, shape = models.vocab_size(model), models.config(model, max(lengths))
+    heads, layers = shape.num_attention_heads, shape.num_hidden_layers
     runs = {"full": chosen.pop("full"), NO_ATTENTION: NoAttention(), **chosen}
+    trained = [dense_layers_name(p, dense_layers) if dense_layers else p for p in patterns]  # what a run's steps take
     causal = attn_patterns.get("causal")
     own = CallPeak(dev)
     with _attention_through(net, own.wrap):
@@ -156,10 +196,29 @@ def run(lengths: Iterable[int], patterns: Iterable[str], device: str = "cpu", dt
             got = interleaved({name: step(name, method) for name, method in runs.items()}, dev, warmup, repeats)
             full, free = got["full"], got[NO_ATTENTION]
             share = None if ratio(free.median_ms, full.median_ms) is None else 1 - free.median_ms / full.median_ms
+            pairs = {name: visible_pairs(method, n, heads, layers) for name, method in runs.items()
+                     if name not in ("full", NO_ATTENTION)}
             for name, method in runs.items():
-                ideal = (1.0 if name == "full" else None if name == NO_ATTENTION
-                         else causal.visible_pairs(n, heads) / method.pattern.visible_pairs(n, heads))
+                ideal = 1.0 if name == "full" else None if name == NO_ATTENTION else causal.visible_pairs(n, heads) / pairs[name]
                 yield _row(name, n, got[name], full, share=share, ideal=ideal, attention_mib=own_peaks.get(name))
+            for name in trained if dense_final_fraction else ():
+                f = dense_final_fraction
+                mean = weighted(got[name], got[DENSE], f)
+                ideal = causal.visible_pairs(n, heads) / ((1 - f) * pairs[name] + f * pairs[DENSE])
+                peaks = [own_peaks.get(name), own_peaks.get(DENSE)]
+                yield _row(dense_tail_name(name, f), n, mean, full, share=share, ideal=ideal,
+                           attention_mib=None if None in peaks else max(peaks))
+
+
+def weighted(pattern: Timing, dense: Timing, fraction: float) -> Timing:
+    """A run's mean step when ``fraction`` of its steps are ``dense`` and the rest ``pattern``:
+    the times weighted, the peak memory the larger; failed where either failed."""
+    error = pattern.error or dense.error
+    if error is not None:
+        return Timing(error=error)
+    return Timing((1 - fraction) * pattern.min_ms + fraction * dense.min_ms,
+                  (1 - fraction) * pattern.median_ms + fraction * dense.median_ms,
+                  None if None in (pattern.peak_mib, dense.peak_mib) else max(pattern.peak_mib, dense.peak_mib))
 
 
 def _row(name: str, n: int, mine: Timing, full: Timing, *, share: Optional[float], ideal: Optional[float],

@@ -24,7 +24,7 @@ import yaml
 
 from sparse_ft.files.keyvalue import parse_assignments
 from sparse_ft.config.paths import RECIPE_DIRS, REPO_ROOT
-from sparse_ft.config.bad_input import fail
+from sparse_ft.config.bad_input import BadInput, fail
 from sparse_ft.config.schema import Recipe, validate
 from sparse_ft.files.strict import yaml_value
 from sparse_ft.modeling.tiny import BUILT_IN, display_name
@@ -176,11 +176,21 @@ def _type_name(tp: Any) -> str:
 
 def _coerce(key: str, value: Any, tp: Any) -> Any:
     origin = typing.get_origin(tp)
-    if origin is typing.Union:  # Optional[X]
-        if value is None:
+    if origin is typing.Union:  # Optional[X], or one of several types (attention.dense_layers: a list or a string)
+        if value is None and type(None) in typing.get_args(tp):
             return None
-        (inner,) = [a for a in typing.get_args(tp) if a is not type(None)]
-        return _coerce(key, value, inner)
+        options = [a for a in typing.get_args(tp) if a is not type(None)]
+        for option in options[:-1]:
+            try:
+                return _coerce(key, value, option)
+            except BadInput:
+                pass
+        try:
+            return _coerce(key, value, options[-1])
+        except BadInput:
+            if len(options) == 1:
+                raise
+            fail(key, value, f"expected {' or '.join(map(_type_name, options))}, got {type(value).__name__}")
     if origin is list:
         (inner,) = typing.get_args(tp)
         if isinstance(value, str) and inner is str:
@@ -249,7 +259,7 @@ def summarize_recipe(recipe: Recipe, steps: int, samples: int) -> str:
     return "\n".join([
         f"recipe {recipe.name}: {display_name(m.name_or_path)} ({m.dtype}) extended to {m.target_length} tokens, "
         f"RoPE {m.rope_method}",
-        f"  attention {a.pattern}{params}, backend {a.backend or 'sdpa'}; "
+        f"  attention {a.pattern}{params}, backend {a.backend or 'sdpa'}{_dense(recipe, steps)}; "
         f"LoRA r={lora.r} alpha={lora.alpha} on {', '.join(lora.target_modules)}{trained}",
         f"  data {d.source}: {samples} samples of {recipe.seq_len} tokens "
         f"({d.packing if d.format == 'text' else d.format + ' rows whole, padding_free, loss on the answers'})",
@@ -257,6 +267,19 @@ def summarize_recipe(recipe: Recipe, steps: int, samples: int) -> str:
         f"lr {t.lr:g} {t.scheduler}, DeepSpeed {recipe.deepspeed or 'off'}",
         f"  output {t.output_dir} (the whole recipe: {RESOLVED_RECIPE}; -v prints it)",
     ])
+
+
+def _dense(recipe: Recipe, steps: int) -> str:
+    """Where the run attends fully, for its summary: ``attention.dense_layers`` and the dense
+    tail's steps (``train.dense_final_fraction``)."""
+    from sparse_ft.methods import dense_tail_start
+
+    layers, fraction = recipe.attention.dense_layers, recipe.train.dense_final_fraction
+    said = f", full attention in layers {layers if isinstance(layers, str) else list(layers)}" if layers else ""
+    if fraction:
+        start = dense_tail_start(fraction, steps)
+        said += f", full attention in every layer from step {start + 1} of {steps} (train.dense_final_fraction={fraction:g})"
+    return said
 
 
 def save_resolved(recipe: Recipe, output_dir: str | os.PathLike) -> Path:

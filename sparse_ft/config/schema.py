@@ -9,7 +9,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from sparse_ft.files.outputs import file_in_the_way
 from sparse_ft.config.bad_input import BadInput, fail, one_line
@@ -38,6 +38,8 @@ class AttentionSection:
     pattern: str = "scca_flow"  # any trainable name of sparse_ft.methods.names()
     params: dict = field(default_factory=dict)  # the pattern's parameters, checked against its signature
     backend: Optional[str] = None  # null = sdpa; auto = flash-attn where installed (CUDA, fp16/bf16), else sdpa
+    # layers that attend fully (the pattern causal) while the rest run the pattern: indices, or "last n"
+    dense_layers: Union[list[int], str] = field(default_factory=list)
 
 
 @dataclass
@@ -100,6 +102,8 @@ class TrainSection:
     # partitions); the launcher decides how many a run gets. null: the sequence-parallel size
     gpus: Optional[int] = None
     max_grad_norm: float = 1.0
+    # the last fraction of the steps with full attention in every layer, from step ceil((1 - f) * steps)
+    dense_final_fraction: float = 0.0
     seed: int = 42
     save_steps: int = 1000
     save_minutes: float = 0.0  # also a checkpoint once this many minutes passed since the last; 0: off
@@ -170,14 +174,14 @@ WANDB_KEYS = {"project": str, "entity": str, "name": str, "group": str, "tags": 
 # data and its order, the optimizer and its schedule): a change would continue another run.
 RESUME_KEYS = ("model.name_or_path", "model.dtype", "model.quantization", "model.target_length", "model.rope_method",
                "model.native_length", "model.tiny",
-               "attention.pattern", "attention.params", "attention.backend",
+               "attention.pattern", "attention.params", "attention.backend", "attention.dense_layers",
                "lora.r", "lora.alpha", "lora.dropout", "lora.target_modules", "lora.extra_trainable",
                "data.source", "data.split", "data.text_column", "data.min_tokens", "data.seq_len", "data.streaming",
                "data.max_documents", "data.packing", "data.format", "data.chat_template",
                "train.seed", "train.lr", "train.betas", "train.weight_decay", "train.weight_decay_on",
                "train.scheduler", "train.min_lr_ratio", "train.warmup_steps", "train.max_steps", "train.num_epochs",
                "train.per_device_batch_size", "train.gradient_accumulation_steps", "train.sequence_parallel_size",
-               "train.max_grad_norm")
+               "train.max_grad_norm", "train.dense_final_fraction")
 # not a recipe key: the number of processes a checkpoint was written by, which a resume may also be allowed to change
 WORLD_SIZE = "world_size"
 
@@ -360,6 +364,25 @@ def _check_attention(recipe: Recipe) -> None:
         raise BadInput(f"recipe key attention.pattern / attention.params: {err}") from None
     if att.backend == "flash" and recipe.model.dtype == "float32":
         fail("attention.backend", att.backend, "flash-attn computes in float16/bfloat16 only and model.dtype is float32; use sdpa or auto")
+    _check_dense(recipe)
+
+
+def _check_dense(recipe: Recipe) -> None:
+    """``attention.dense_layers``' form and ``train.dense_final_fraction``'s range; the layers'
+    range needs the model's config (the trainer's preflight, ``plan``). Full attention
+    (``attention.pattern: full``) has no pattern to run densely instead."""
+    from sparse_ft.methods import dense_layers_rule
+
+    att, fraction = recipe.attention, recipe.train.dense_final_fraction
+    rule = dense_layers_rule(att.dense_layers)
+    if rule is not None:
+        fail("attention.dense_layers", att.dense_layers, rule)
+    if not 0 <= fraction <= 1:
+        fail("train.dense_final_fraction", fraction, "must be in [0, 1] (the fraction of the steps, the last ones, "
+             "trained with full attention in every layer)")
+    for key, value in (("attention.dense_layers", att.dense_layers), ("train.dense_final_fraction", fraction)):
+        if value and att.pattern == "full":
+            fail(key, value, "applies to a sparse pattern; attention.pattern=full attends fully in every layer already")
 
 
 def _check_sequence_parallel(recipe: Recipe) -> None:

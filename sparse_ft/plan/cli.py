@@ -171,9 +171,9 @@ def setup_from_recipe(recipe: Any, **changes: Any):
     zero = ds.get("zero_optimization", {}) if ds else {}
     offload = zero.get("offload_optimizer", {}) or {}
     train = recipe.train
+    shape = model_shape(recipe.model.name_or_path, trust_remote_code=recipe.model.trust_remote_code, tiny=recipe.model.tiny)
     setup = Setup(
-        shape=model_shape(recipe.model.name_or_path, trust_remote_code=recipe.model.trust_remote_code,
-                          tiny=recipe.model.tiny),
+        shape=shape,
         dtype=recipe.model.dtype, quantization=recipe.model.quantization, lora_r=recipe.lora.r,
         lora_targets=tuple(recipe.lora.target_modules), extra_trainable=tuple(recipe.lora.extra_trainable),
         gradient_checkpointing=train.gradient_checkpointing, offload_activations=train.offload_activations,
@@ -181,9 +181,30 @@ def setup_from_recipe(recipe: Any, **changes: Any):
         zero_stage=int(zero.get("stage", 0)) if ds else 0, offload_optimizer=offload.get("device", "none") not in ("none", None),
         world_size=max(1, train.sequence_parallel_size), sequence_parallel=train.sequence_parallel_size,
         pattern=recipe.attention.pattern, pattern_params=dict(recipe.attention.params),
-        batch=train.per_device_batch_size,
+        batch=train.per_device_batch_size, dense_layers=len(dense_layers(recipe.attention.dense_layers, shape.layers)),
+        dense_tail=train.dense_final_fraction > 0,
     )
     return dataclasses.replace(setup, **changes)
+
+
+def dense_layers(spec: Any, layers: int) -> list[int]:
+    """``attention.dense_layers`` in a model of ``layers`` layers, by the rule ``train``
+    applies in its preflight."""
+    from sparse_ft.config.bad_input import fail
+    from sparse_ft.methods import dense_layer_indices, dense_layers_rule
+
+    rule = dense_layers_rule(spec, layers)
+    if rule is not None:
+        fail("attention.dense_layers", spec, rule)
+    return dense_layer_indices(spec, layers)
+
+
+def describe_dense(setup: Any) -> str:
+    """Where the planned run attends fully, for the plan's title."""
+    said = f"; full attention (causal) in {setup.dense_layers} of {setup.shape.layers} layers" if setup.dense_layers else ""
+    if setup.dense_tail:
+        said += "; a dense tail: the peak is the larger of the pattern's step and the all-dense step's"
+    return said
 
 
 def run(args: argparse.Namespace) -> int:
@@ -234,7 +255,8 @@ def run(args: argparse.Namespace) -> int:
                  for n in lengths]
     title = (f"sparse-ft plan: {recipe.name} ({base.shape.source}; {base.dtype}"
              f"{', NF4 base' if base.quantization == 'nf4' else ''}; ZeRO-{base.zero_stage} over {gpus} GPU(s) (from {source}); "
-             f"{args.kernel} attention kernel; {args.headroom:.0%} of each GPU kept free). Predictions, not measurements.")
+             f"{args.kernel} attention kernel{describe_dense(base)}; {args.headroom:.0%} of each GPU kept free). "
+             "Predictions, not measurements.")
     table = markdown(fits, breakdown, list(budgets), base.pattern)
     print(f"{title}\n\n{table}")
     if args.output is not None:

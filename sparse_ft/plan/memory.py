@@ -22,7 +22,7 @@ pattern), or, for ``full``, from the model's own dense kernel call: no list of n
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 from attn_patterns.checks import MAX_LENGTH
@@ -67,6 +67,8 @@ class Setup:
     pattern_params: dict[str, Any] = field(default_factory=dict)
     kernel: str = "fused"  # fused: SDPA's flash / cuDNN / memory-efficient / CPU kernels; math: scores materialised
     batch: int = 1
+    dense_layers: int = 0  # layers attending fully (the pattern causal): attention.dense_layers, resolved
+    dense_tail: bool = False  # train.dense_final_fraction > 0: the last steps attend fully in every layer
     notes: tuple[str, ...] = field(default=())
 
 
@@ -270,16 +272,45 @@ def loss_working_set(setup: Setup, t: int) -> float:
     return per_logit * tokens * s.vocab
 
 
+def dense(setup: Setup) -> Setup:
+    """``setup`` with full attention in every layer: the pattern ``causal`` (what the dense
+    layers and a dense tail run), on the pattern's backend."""
+    backend = {k: v for k, v in setup.pattern_params.items() if k == "backend"}
+    return replace(setup, pattern="causal", pattern_params=backend, dense_layers=0, dense_tail=False)
+
+
+def layer_kinds(setup: Setup) -> dict[str, tuple[Setup, int]]:
+    """The layers by how they attend: a label, the setup of their attention and how many.
+    Dense layers (``attention.dense_layers``) attend as :func:`dense` does."""
+    layers = setup.shape.layers
+    full = min(setup.dense_layers, layers)  # a shape cut to fewer layers keeps those it has
+    kinds = {"last layer's": (setup, layers - full), "a full-attention layer's": (dense(setup), full)}
+    return {label: kind for label, kind in kinds.items() if kind[1]}
+
+
+def layer_candidates(setup: Setup, n: int) -> dict[str, dict[str, float]]:
+    """The backward of the last layer of each kind (:func:`layer_kinds`) at each of its
+    moments, by term: under gradient checkpointing that layer's alone, without it every
+    earlier layer's saved tensors as well."""
+    kinds = layer_kinds(setup)
+    kept = 0 if setup.gradient_checkpointing else sum(count * layer_kept(kind, n) for kind, count in kinds.values())
+    out = {}
+    for label, (kind, _) in kinds.items():
+        earlier = {} if setup.gradient_checkpointing else {"earlier layers' saved tensors": kept - layer_kept(kind, n)}
+        out.update({f"{label} backward {moment}": {**earlier, **terms} for moment, terms in layer_phases(kind, n).items()})
+    return out
+
+
 def phases(setup: Setup, n: int) -> dict[str, dict[str, float]]:
-    """Each candidate for the step's peak beyond the static memory, by term: the last layer's
-    backward at each of its moments (under gradient checkpointing; without it every earlier
-    layer's saved tensors as well), the loss's backward, and the end of backward."""
+    """Each candidate for the step's peak beyond the static memory, by term: the layers'
+    backward (:func:`layer_candidates`), with a dense tail the all-dense step's layers' too
+    (the run's peak is the larger), the loss's backward, and the end of backward."""
     s = setup.shape
     t = tokens_per_rank(setup, n)
     r = residual_bytes(setup)
-    earlier = ({} if setup.gradient_checkpointing
-               else {"earlier layers' saved tensors": (s.layers - 1) * layer_kept(setup, n)})
-    out = {f"last layer's backward {moment}": {**earlier, **terms} for moment, terms in layer_phases(setup, n).items()}
+    out = layer_candidates(setup, n)
+    if setup.dense_tail:
+        out.update({f"dense tail, {name}": terms for name, terms in layer_candidates(dense(setup), n).items()})
     out["loss backward"] = {"final hidden states (norm input and output)": (8 + r) * t * s.hidden,
                             "loss " + ("chunk" if setup.loss == "chunked" else "logits"): loss_working_set(setup, t)}
     out["end of backward"] = {"embedding's new gradient": embedding_gradient(setup)}

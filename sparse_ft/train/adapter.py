@@ -46,6 +46,9 @@ def adapter_meta(model, recipe, base_path: str, base_fingerprint: Optional[str])
         "target_length": recipe.model.target_length,
         "rope_method": recipe.model.rope_method,
         "train_attention": {"pattern": recipe.attention.pattern, **recipe.attention.params},
+        # where it attended fully instead (sparse_ft.methods.dense_layers): the probe's logits are the last step's
+        "train_full_attention": {"dense_layers": recipe.attention.dense_layers,
+                                 "dense_final_fraction": recipe.train.dense_final_fraction},
         "base_shape": {k: getattr(config, k, None) for k in SHAPE_KEYS},
         "base_fingerprint": base_fingerprint,
         "base_quantization": recipe.model.quantization,  # nf4: trained over the NF4-rounded base (docs/training.md)

@@ -19,7 +19,7 @@ from sparse_ft.config.schema import RESUME_KEYS, WORLD_SIZE
 # Keys added after checkpoints were already being written: a checkpoint without one ran at this value.
 ADDED = {"train.sequence_parallel_size": 1, "train.weight_decay_on": "all", "train.min_lr_ratio": 0.0,
          "data.packing": "blocks", "model.quantization": "none", "data.format": "text", "data.chat_template": None,
-         "model.native_length": None}
+         "model.native_length": None, "attention.dense_layers": [], "train.dense_final_fraction": 0.0}
 # The keys that name and shape the trainable tensors (model.* may too: checkpoint.load_checkpoint compares shapes).
 SHAPES = ("lora.r", "lora.target_modules", "lora.extra_trainable")
 FIXED = (*SHAPES, "model.tiny")  # never allowed to change on resume

@@ -28,13 +28,16 @@ def training_method(recipe: Recipe) -> Method:
     recipe and the checkpoints' fingerprint name the backend that ran. The recipe's names and
     values were checked when it loaded; what needs the built method is checked here, before
     anything loads: the sequence length it trains at (chunks of one token would switch
-    attention off)."""
+    attention off). With ``attention.dense_layers`` or ``train.dense_final_fraction`` the method
+    routes those layers, or the dense tail, to full attention (``methods.DenseLayers``)."""
     att = recipe.attention
     method, att.backend = methods.for_training(att.pattern, att.params, att.backend, recipe.model.dtype)
     try:
         method.check_length(recipe.seq_len)
     except ValueError as err:
         fail("attention.params", att.params, f"{err} (the sequence length is data.seq_len, else model.target_length)")
+    if att.dense_layers or recipe.train.dense_final_fraction:
+        return methods.with_dense_layers(method, att.dense_layers)
     return method
 
 

@@ -20,7 +20,8 @@ from sparse_ft.data.packing import check_source
 from sparse_ft.modeling.dtypes import torch_dtype
 from sparse_ft.modeling.families import geometry
 from sparse_ft.modeling import rope
-from sparse_ft.methods import Method
+from sparse_ft.methods import Method, dense_layers_rule
+from sparse_ft.methods.dense_layers import num_layers
 from sparse_ft.modeling.model_io import is_repo_id, load_tokenizer
 from sparse_ft.modeling.weight_files import model_files
 from sparse_ft.train import checkpoint, validation
@@ -77,6 +78,7 @@ def check_model(recipe: Recipe, method: Method):
             if why is not None:
                 fail(key, "triton", f"the block-sparse Triton kernel cannot run here: {why}; use sdpa, or auto")
     config = _model_config(recipe)
+    _check_dense_layers(recipe, config)
     _check_heads(recipe, config, method)
     context = getattr(config, "max_position_embeddings", None)
     if not isinstance(context, int) or context < 1:
@@ -122,6 +124,14 @@ def _model_config(recipe: Recipe):
         where = "" if path.exists() else "not a local directory, and "
         offline = " (HF_HUB_OFFLINE=1 is set)" if os.environ.get("HF_HUB_OFFLINE") == "1" else ""
         fail("model.name_or_path", name, f"{where}its config cannot be read: {one_line(err)}{offline}")
+
+
+def _check_dense_layers(recipe: Recipe, config) -> None:
+    """``attention.dense_layers`` within the model's layers (its form was checked when the
+    recipe loaded)."""
+    rule = dense_layers_rule(recipe.attention.dense_layers, num_layers(config))
+    if rule is not None:
+        fail("attention.dense_layers", recipe.attention.dense_layers, rule)
 
 
 def _check_heads(recipe: Recipe, config, method: Method) -> None:

@@ -23,7 +23,8 @@ from sparse_ft import console
 from sparse_ft.config import Recipe, format_recipe, save_resolved, summarize_recipe
 from sparse_ft.config.bad_input import one_line
 from sparse_ft.data.packing import TokenBlocks, build_train_dataset
-from sparse_ft.modeling.attention import AttentionNotCalled, checked_calls
+from sparse_ft.methods import dense_layer_indices, dense_tail_start
+from sparse_ft.modeling.attention import AttentionNotCalled, checked_calls, pretrained
 from sparse_ft.modeling.model_io import load_tokenizer, materialize_tiny
 from sparse_ft.files.outputs import DISK_FULL, RunLock, write_synced
 from sparse_ft.train import checkpoint, run_directory, sequence_parallel, validation
@@ -189,6 +190,7 @@ class Trainer:
                                seed=t.seed)
         self.start, self.position = self.resume_position()
         self.steps = total_steps(self.recipe, self.order, self.position, self.start)
+        self.dense_from = dense_tail_start(t.dense_final_fraction, self.steps)  # the dense tail's first step (0-based)
         if self.rank == 0:  # the run is on: a resume refused until here leaves the directory as it was
             save_resolved(self.recipe, self.out)
             console.say(summarize_recipe(self.recipe, self.steps, len(self.dataset)))
@@ -351,8 +353,18 @@ class Trainer:
         except AttentionNotCalled as err:
             self._stop(WrongAttention(f"{err}; nothing of this step was saved", announce=self.rank == 0))
 
+    def _dense_tail(self, step: int) -> None:
+        """From the dense tail's first step on (``train.dense_final_fraction``), every layer
+        attends fully: a run resumed past it switches before its first step."""
+        if step >= self.dense_from and not self.method.everywhere:
+            self.method.everywhere = True
+            if self.rank == 0:
+                console.say(f"step {step + 1}: full attention in every layer to the end (train.dense_final_fraction="
+                            f"{self.recipe.train.dense_final_fraction:g})")
+
     def _step(self, step: int) -> dict:
         """One optimizer step over ``gradient_accumulation_steps`` micro-batches; its log record."""
+        self._dense_tail(step)
         began = time.perf_counter()
         lr = self.engine.lr()
         accum = self.recipe.train.gradient_accumulation_steps
@@ -392,6 +404,13 @@ class Trainer:
             console.say(f"adapter saved to {adapter_dir}")
         return summary
 
+    def full_attention(self) -> dict:
+        """Where the run attended fully: the layers of ``attention.dense_layers`` (indices) and
+        the first (1-based) step of the dense tail (``train.dense_final_fraction``; None: none)."""
+        layers = pretrained(self.engine.module).config.num_hidden_layers
+        return {"layers": dense_layer_indices(self.recipe.attention.dense_layers, layers),
+                "every_layer_from_step": self.dense_from + 1 if self.dense_from < self.steps else None}
+
     def summary(self, saved: dict) -> dict:
         """The run's summary, with what it ``saved``, also written as ``train_summary.json``;
         the metric log is closed."""
@@ -399,7 +418,7 @@ class Trainer:
             self.log.close()
         history = self.history
         summary = {"model": display_name(self.recipe.model.name_or_path), "steps": self.steps,
-                   "final_loss": history[-1]["loss"] if history else None, **saved,
+                   "final_loss": history[-1]["loss"] if history else None, **saved, "full_attention": self.full_attention(),
                    "world_size": self.world, "history": history, "validation": self.validations}
         if self.rank == 0:
             (self.out / run_directory.SUMMARY).write_text(json.dumps(summary, indent=1))

@@ -16,6 +16,7 @@ PATTERNS = [
     ("scca_flow", {}),
     ("sda", {"dilation": 3}),
     ("longmixed", {}),
+    ("sf_attn", {"shifted": 0.25}),  # 4 + 12 heads, each with 4 sink tokens
     # 5 + 11 heads: ranks' slices cut through the split and give sda odd head offsets
     ("mixed", {"parts": [("causal", 0.3125), ({"name": "sda", "dilation": 2}, 0.6875)]}),
 ]

@@ -22,8 +22,24 @@ PATTERNS = [
     ("mixed", {"parts": [("s2", 0.5), ({"name": "sda", "dilation": 4}, 0.25), ("causal", 0.25)]}),
     # 3 + 5 heads: on 2 or 4 KV heads the split cuts through a KV group (K/V repeated there)
     ("mixed", {"parts": [({"name": "sda", "dilation": 3}, 0.375), ("causal", 0.625)]}),
+    ("sf_attn", {}),  # 4 sink tokens: every backend's sink path, in every test of this list
 ]
 IDS = [f"{name}{params or ''}" for name, params in PATTERNS]
+# sink_tokens on every other kind of head (chunked, shifted, rolled, lagged, dilated, a mix whose
+# parts bring sinks of their own), including sinks past a chunk (scca_flow at N=13: w=4), which
+# the fast path computes exactly though a recipe refuses them
+SINKS = [
+    ("causal", {"sink_tokens": 2}),
+    ("s2", {"chunks": 3, "sink_tokens": 1}),
+    ("scca_fixed", {"chunks": 5, "sink_tokens": 2}),
+    ("scca_flow", {"sink_tokens": 5}),
+    ("sda", {"dilation": 3, "sink_tokens": 2}),
+    ("longmixed", {"sink_tokens": 3}),
+    ("mixed", {"parts": [("s2", 0.5), ({"name": "sda", "dilation": 4, "sink_tokens": 3}, 0.25), ("causal", 0.25)],
+               "sink_tokens": 1}),
+    ("sf_attn", {"shifted": 0.25, "shift": 0.25, "sink_tokens": 2}),
+]
+SINK_IDS = [f"{name}{params}" for name, params in SINKS]
 # N not divisible by chunks, odd w (N=13 -> w=4, N=9 -> w=3), N < chunks, N = 1.
 LENGTHS = [1, 3, 9, 13, 16, 37]
 
@@ -83,6 +99,30 @@ def test_under_autocast_with_the_inputs_a_half_precision_model_gives(name, param
     assert torch.isfinite(out).all()
     ref = dense_attention(q.to(dtype).float(), k.to(dtype).float(), v.float(), pattern.mask(37, H))
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("name,params", SINKS, ids=SINK_IDS)
+def test_sink_tokens_match_dense_reference_values_and_gradients(name, params):
+    """Every query also sees the first k keys, intersected with causality, and no key twice
+    (grouped K/V; a length inside the sinks, one with partial chunks)."""
+    pattern = attn_patterns.get(name, **params)
+    for n in (3, 37):
+        q, k, v = qkv(n, 2, grad=True)
+        mask = pattern.mask(n, H)
+        out, ref = pattern(q, k, v), dense_attention(q, k, v, mask)
+        torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-10)
+        cot = torch.randn_like(out)
+        for a, b in zip(torch.autograd.grad(out, (q, k, v), cot), torch.autograd.grad(ref, (q, k, v), cot)):
+            torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+        assert pattern.visible_pairs(n, H) == int(mask.sum())
+    for h, sink in enumerate(pattern.sinks(torch.arange(H), H).tolist()):
+        assert sink and mask[h, :, :sink].equal(torch.ones(37, sink, dtype=torch.bool).tril())
+
+
+@pytest.mark.parametrize("name,params", SINKS[5:6], ids=SINK_IDS[5:6])
+def test_sink_tokens_never_leak_future_tokens(name, params):
+    """Rolled and dilated heads with sinks (sf_attn's chunked and shifted ones are in PATTERNS)."""
+    test_future_tokens_never_leak(name, params)
 
 
 @pytest.mark.parametrize("name,params", PATTERNS, ids=IDS)
@@ -191,6 +231,11 @@ def test_flex_refuses_cpu_training_and_flash_needs_cuda():
         (lambda: attn_patterns.get("mixed", parts=[("sda", 1.5)]), r"share=1.5 of 'sda' must be a number in \(0, 1\]"),
         (lambda: attn_patterns.get("mixed", parts=[("nope", 1.0)]), r"pattern='nope' is unknown"),
         (lambda: attn_patterns.get("mixed"), r"mixed: parameter\(s\) parts required \(it has no default\)"),
+        (lambda: attn_patterns.get("sda", sink_tokens=1.5), r"^sda: sink_tokens=1.5 must be an integer >= 0$"),
+        (lambda: attn_patterns.get("s2", sink_tokens=4).check_length(16),
+         r"^s2\(chunks=4, sink_tokens=4\): sink_tokens=4 must be in \[0, 4\) at sequence length 16 \(below the chunk width 4\)"),
+        (lambda: attn_patterns.get("sf_attn", shifted=1), r"^sf_attn: shifted=1 must be a number in \(0, 1\)$"),
+        (lambda: attn_patterns.get("sf_attn", shift=0), r"^sf_attn: shift=0 must be a number in \(0, 1\)$"),
     ],
 )
 def test_bad_parameters_name_the_rule(call, message):
@@ -207,6 +252,11 @@ def test_degenerate_lengths_are_refused_and_the_rest_kept(name, params):
     heads = pattern.fewest_heads()
     for n in range(1, 40):
         widest = pattern.mask(n, heads).sum(dim=-1).amax(dim=-1)  # per head, its best-seeing query
+        try:
+            pattern.check_sinks(n)
+        except ValueError as err:  # sink tokens as wide as a chunk: refused first, by name
+            assert f"sink_tokens={pattern.sink_tokens} must be in [0, " in str(err)
+            continue
         if bool((widest >= 2).all()):
             pattern.check_length(n)
         else:
@@ -214,7 +264,7 @@ def test_degenerate_lengths_are_refused_and_the_rest_kept(name, params):
                 pattern.check_length(n)
 
 
-@pytest.mark.parametrize("name, params", PATTERNS, ids=IDS)
+@pytest.mark.parametrize("name, params", PATTERNS + SINKS[3:6], ids=IDS + SINK_IDS[3:6])
 def test_the_widest_query_is_arithmetic_and_equals_the_mask(name, params, monkeypatch):
     """Issue 31: ``widest`` (what check_length reads) equals the dense mask's per-head widest
     query, by each pattern's closed form and by the progression of the base class, and a
@@ -295,7 +345,7 @@ GATHERS = {"index", "index_put", "index_put_", "_index_put_impl_", "index_add", 
            "stack"}
 
 
-@pytest.mark.parametrize("name,params", PATTERNS, ids=IDS)
+@pytest.mark.parametrize("name,params", PATTERNS + SINKS[5:6], ids=IDS + SINK_IDS[5:6])
 @pytest.mark.parametrize("kv_heads", [8, 2])
 def test_fast_path_is_maskless_calls_on_views(name, params, kv_heads, monkeypatch):
     """Every SDPA call of every pattern, forward and backward, takes no mask and is causal
@@ -325,10 +375,15 @@ def test_fast_path_is_maskless_calls_on_views(name, params, kv_heads, monkeypatc
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", checked)
     pattern = attn_patterns.get(name, **params)
     q, k, v = qkv(37, kv_heads, dtype=torch.float32, grad=True)
+    sunk = bool(pattern.sinks(torch.arange(H), H).any())
+    if sunk:  # the sinks' pieces are planned once, outside the calls
+        pattern(q, k, v)
+        calls.clear()
     with Ops() as ops:
         pattern(q, k, v).sum().backward()
     assert calls and all(mask is None and (not causal or lq == lk) for mask, causal, lq, lk in calls), calls
-    assert not {op for op, _ in ops.seen} & GATHERS
+    # with sink tokens a call's keys are its sinks and its own block, concatenated (strided.Piece.prefix)
+    assert not {op for op, _ in ops.seen} & (GATHERS - {"cat"} if sunk else GATHERS)
     assert not [op for op, boolean in ops.seen if boolean]
 
 
@@ -418,6 +473,8 @@ def test_mix_with_a_pattern_registered_from_outside():
             cot = torch.randn_like(out)
             for a, b in zip(torch.autograd.grad(out, (q, k, v), cot), torch.autograd.grad(ref, (q, k, v), cot)):
                 torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+        with pytest.raises(ValueError, match=r"^mixed: sink_tokens=2 needs parts of attn_patterns' own patterns; test_window"):
+            attn_patterns.get("mixed", parts=[("test_window", 0.5), ("causal", 0.5)], sink_tokens=2)
     finally:
         attn_patterns.PATTERNS.remove("test_window")
 

@@ -22,7 +22,7 @@ from attn_patterns.blocks import block_layout
 from attn_patterns.kernels import triton_interpreted
 from attn_patterns.reference import dense_attention
 
-from tests.attn_patterns.test_patterns import IDS, PATTERNS, qkv
+from tests.attn_patterns.test_patterns import IDS, PATTERNS, SINKS, qkv
 
 H = 8
 GPU = torch.cuda.is_available() and not triton_interpreted()
@@ -56,6 +56,7 @@ def assert_all_close(got, want, tol):
 # runs a tile in ~8 ms, so the whole product would cost minutes for no new path.
 GROUPED = [(name, params, kv_heads) for i, (name, params) in enumerate(PATTERNS) for kv_heads in (8, 4, 2)
            if kv_heads == (8, 4, 2)[i % 3] or name in ("longmixed", "mixed")]
+GROUPED.append((*SINKS[5], 2))  # sink tokens on rolled and dilated heads (never compressed); sf_attn's chunked ones above
 
 
 @pytest.mark.parametrize("name,params,kv_heads", GROUPED, ids=[f"{n}{p or ''}-kv{kv}" for n, p, kv in GROUPED])
@@ -148,6 +149,7 @@ def layout_mask(layout):
         lo, hi, step = (x[h, :rows, None].long() for x in (layout.lo, layout.hi, layout.step))
         t = torch.arange(rows)[None, :]
         rows_seen[h, at(torch.arange(rows))[:, None], at(t)] = (t >= lo) & (t <= hi) & ((t - lo) % step == 0)
+        rows_seen[h, :, : int(layout.sinks[h])] |= torch.ones(n, n, dtype=torch.bool).tril()[:, : int(layout.sinks[h])]
         for qb in range(-(-rows // bq)):
             m = torch.arange(qb * bq, min(rows, (qb + 1) * bq))
             for counts, indices, into in ((layout.full_counts, layout.full_indices, (listed, full)),
@@ -185,7 +187,8 @@ def test_layout_describes_the_mask_exactly(name, params):
                     m = torch.arange(qb * 16, min(int(layout.rows[h]), qb * 16 + 16))
                     t = torch.arange(kb * 8, kb * 8 + 8)
                     lo, hi, step = (x[h, m][:, None].long() for x in (layout.lo, layout.hi, layout.step))
-                    assert ((t >= lo) & (t <= hi) & ((t - lo) % step == 0)).any(), (h, qb, kb)
+                    sunk = t < torch.minimum(layout.sinks[h].long(), m[:, None] + 1)  # the head's sinks (uncompressed)
+                    assert ((t >= lo) & (t <= hi) & ((t - lo) % step == 0) | sunk).any(), (h, qb, kb)
             for kind in ("full", "partial"):
                 forward = transposed(getattr(layout, f"{kind}_counts"), getattr(layout, f"{kind}_indices"))
                 backward = transposed(getattr(layout, f"{kind}_q_counts"), getattr(layout, f"{kind}_q_indices"))

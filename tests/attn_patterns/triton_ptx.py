@@ -76,11 +76,12 @@ def signature(kernel: Any, args: tuple, kwargs: dict) -> tuple[dict, dict, dict]
 
 def record(launches: list) -> None:
     """Every launch the wrappers make for a strided pattern, a rolled-chunk pattern, a mix, a
-    layout of stepped rows and DCA's three query copies, forward and backward, and LongHeads'
-    forward; bf16, D = 128."""
+    pattern with sink tokens, a layout of stepped rows and DCA's three query copies, forward
+    and backward, and LongHeads' forward; bf16, D = 128."""
     n, h, hkv, d = 256, 8, 2, 128
     gen = torch.Generator().manual_seed(0)
-    for pattern in (attn_patterns.get("sda"), attn_patterns.get("scca_fixed"), attn_patterns.get("longmixed")):
+    for pattern in (attn_patterns.get("sda"), attn_patterns.get("scca_fixed"), attn_patterns.get("longmixed"),
+                    attn_patterns.get("sf_attn")):
         q, k, v = (torch.randn(1, x, n, d, generator=gen, dtype=torch.bfloat16).requires_grad_() for x in (h, hkv, hkv))
         kernels.triton_forward(pattern, q, k, v).sum().backward()
     sda = attn_patterns.get("sda")  # as a layout of masked (stepped) rows rather than strided views

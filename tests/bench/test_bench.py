@@ -38,7 +38,7 @@ def test_bench_attention_cli_end_to_end(tmp_path, capsys):
     assert payload["flops"] == "4·pairs·D forward, 3.5× that forward+backward"
     assert payload["command"].startswith("sparse-ft bench attention --lengths 64,96")
     rows = payload["results"]
-    assert {r["pattern"] for r in rows} == {"s2", "scca_fixed", "scca_flow", "sda", "longmixed"}
+    assert {r["pattern"] for r in rows} == {"s2", "scca_fixed", "scca_flow", "sda", "longmixed", "sf_attn"}
     assert {r["seq_len"] for r in rows} == {64, 96} and {r["backend"] for r in rows} == {"sdpa"}
     for r in rows:
         assert (r["heads"], r["kv_heads"], r["head_dim"]) == (8, 2, 16)
@@ -395,3 +395,23 @@ def test_patterns_beside_a_cudnn_baseline_are_pinned_to_flash():
     row = next(iter(attention.run([32], [2], [8], ["s2"], warmup=0, repeats=1)))
     table = attention.markdown([dataclasses.replace(row, dense_kernel=cudnn)])
     assert "the patterns' SDPA pieces pinned to FLASH_ATTENTION (cuDNN is wrong on strided views)" in table
+
+
+def test_bench_train_measures_dense_layers_and_weighs_a_dense_tail(tmp_path):
+    """``--dense-layers``: each pattern's step measured with those layers attending fully;
+    ``--dense-final-fraction``: the all-dense step measured too, and the run's mean step the
+    two weighted."""
+    out = tmp_path / "train.json"
+    assert main(["bench", "train", "--lengths", "32", "--patterns", "s2", "--repeats", "1", "--warmup", "0",
+                 "--dense-layers", "0,3", "--dense-final-fraction", "0.25", "--output", str(out)]) == 0
+    payload = json.loads(out.read_text())
+    assert payload["dense_layers"] == [0, 3] and payload["dense_final_fraction"] == 0.25
+    rows = {r["pattern"]: r for r in payload["results"]}
+    assert list(rows) == ["full", "no attention", "s2", "s2 + full in [0, 3]", "causal", "s2 + full in [0, 3], dense tail 0.25"]
+    layers, dense, tail = rows["s2 + full in [0, 3]"], rows["causal"], rows["s2 + full in [0, 3], dense tail 0.25"]
+    assert tail["ms_median"] == pytest.approx(0.75 * layers["ms_median"] + 0.25 * dense["ms_median"])
+    assert tail["step_peak_mib"] == max(layers["step_peak_mib"], dense["step_peak_mib"])
+    assert 1 / dense["ideal"] == pytest.approx(1.0) and 1 < layers["ideal"] < rows["s2"]["ideal"]
+    assert 1 / layers["ideal"] == pytest.approx(0.5 / rows["s2"]["ideal"] + 0.5)  # two of the four layers dense
+    assert 1 / tail["ideal"] == pytest.approx(0.75 / layers["ideal"] + 0.25)
+    assert "Rows 'dense tail 0.25'" in out.with_suffix(".md").read_text()

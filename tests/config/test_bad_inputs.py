@@ -85,6 +85,14 @@ CASES = {
     "save_minutes infinite": (["train.save_minutes=.inf"], None, r"recipe key train.save_minutes=inf is invalid: must be a finite number"),
     "a pattern parameter infinite": (
         ["attention.params={chunks: .inf}"], None, r"recipe key attention.params.chunks=inf is invalid: must be a finite number"),
+    # issue 34 item 1: sink tokens, refused by the pattern's check before the model loads
+    "sink tokens negative": (
+        ["attention.params.sink_tokens=-1"], None,
+        r"recipe key attention.pattern / attention.params: scca_flow: sink_tokens=-1 must be an integer >= 0$"),
+    "sink tokens as wide as a chunk": (
+        ["attention.params.sink_tokens=128"], None,
+        r"recipe key attention.params=\{'chunks': 4, 'sink_tokens': 128\} is invalid: scca_flow\(chunks=4, sink_tokens=128\): "
+        r"sink_tokens=128 must be in \[0, 128\) at sequence length 512 \(below the chunk width 128\)"),
     "a tiny model number nan": (
         ["model.tiny.rms_norm_eps=.nan"], None, r"recipe key model.tiny.rms_norm_eps=nan is invalid: must be a finite number"),
     "output_dir is a file": (
@@ -127,6 +135,28 @@ CASES = {
     "native length of zero": (
         ["model.native_length=0"], None,
         r"recipe key model.native_length=0 is invalid: a positive number of tokens \(the model's pretraining context\), or null"),
+    # issue 34 item 3: dense layers and a dense tail, refused before the model loads
+    "dense layer outside the model": (
+        ["attention.dense_layers=[0,2]"], None,
+        r"recipe key attention.dense_layers=\[0, 2\] is invalid: layer indices in \[0, 1\], each once \(the model has 2 layers\), "
+        r"or 'last n'$"),
+    "dense layers last 0": (
+        ["attention.dense_layers=last 0"], None,
+        r"recipe key attention.dense_layers='last 0' is invalid: 'last n' with n in \[1, the model's layers\]$"),
+    "dense layers last past the model": (
+        ["attention.dense_layers=last 3"], None,
+        r"recipe key attention.dense_layers='last 3' is invalid: 'last n' with n in \[1, 2\] \(the model has 2 layers\)$"),
+    "dense layers malformed": (
+        ["attention.dense_layers=first 2"], None,
+        r"recipe key attention.dense_layers='first 2' is invalid: a list of layer indices \(e.g. \[0, 5\]\) or 'last n'"),
+    "dense layers a number": (
+        ["attention.dense_layers=1"], None, r"recipe key attention.dense_layers=1 is invalid: expected list or str, got int$"),
+    "dense tail fraction above 1": (
+        ["train.dense_final_fraction=1.5"], None,
+        r"recipe key train.dense_final_fraction=1.5 is invalid: must be in \[0, 1\] \(the fraction of the steps"),
+    "dense layers with full attention": (
+        ["attention.pattern=full", "attention.dense_layers=[0]"], None,
+        r"attention.dense_layers=\[0\] is invalid: applies to a sparse pattern; attention.pattern=full attends fully"),
     "pattern chunks of 400 digits": (
         [f"attention.params.chunks={'1' * 400}"], None,
         r"attention.params: scca_flow: chunks=111111\.\.\. \(400 digits\) must be an integer <= 1,024 \(one head group each"),
@@ -401,7 +431,7 @@ CASES = {
         ["attention.pattern=mixed"], None, r"mixed: parameter\(s\) parts required \(it has no default\); allowed: parts, backend"),
     "pattern unknown lists the trainable ones only": (
         ["attention.pattern=scca"], None,
-        r"pattern='scca' is unknown; allowed: full, causal, sda, s2, scca_fixed, scca_flow, longmixed, mixed$"),
+        r"pattern='scca' is unknown; allowed: full, causal, sda, s2, scca_fixed, scca_flow, longmixed, sf_attn, mixed$"),
     "training-free method as the pattern": (
         ["attention.pattern=dca"], None, r"pattern='dca' cannot train \(it is a training-free method\); allowed: full, causal, "),
     "base with pickled weights only": (
@@ -693,6 +723,12 @@ CLI_CASES = {
     "plan of a tiny model larger than the machine": (
         ["plan", "recipe=tiny", "model.tiny.hidden_size=1000000"], None,
         r"model.tiny=\{'hidden_size': 1000000\} is invalid: its 5,001,541,000,000 parameters take 18,632.2 GiB"),
+    "plan of a dense layer outside the model": (
+        ["plan", "recipe=tiny", "attention.dense_layers=[5]"], None,
+        r"recipe key attention.dense_layers=\[5\] is invalid: layer indices in \[0, 1\], each once \(the model has 2 layers\)"),
+    "plan of a dense tail fraction below 0": (
+        ["plan", "recipe=tiny", "train.dense_final_fraction=-0.1"], None,
+        r"recipe key train.dense_final_fraction=-0.1 is invalid: must be in \[0, 1\]"),
     "plan of a LoRA rank past the layers' sides": (
         ["plan", "recipe=tiny", "lora.r=100000000"], None,
         r"lora.r=100000000 is invalid: at most 16, the smaller side of k_proj \(64 x 16\)"),
@@ -821,6 +857,9 @@ CLI_CASES = {
         r"--retrieval-fraction 2.0 must be within \[0, 1\]"),
     "pretrain with no pass of the text": (
         ["pretrain", "--text-passes", "0", "--corpus", "OUT/c", "--output", "OUT/p"], None, r"--text-passes 0 must be >= 1"),
+    "pretrain copy fraction beyond the retrieval documents' share": (
+        ["pretrain", "--copy-fraction", "0.8", "--corpus", "OUT/c", "--output", "OUT/p"], None,
+        r"--copy-fraction 0.8 must be within \[0, 1 - --retrieval-fraction\]"),
     "pretrain with an unknown retrieval task": (
         ["pretrain", "--retrieval-tasks", "passkey,nope", "--corpus", "OUT/c", "--output", "OUT/p"], None,
         r"retrieval_tasks: 'nope' unknown; allowed: passkey, niah_single_1, .*, fwe or all"),
@@ -842,6 +881,11 @@ CLI_CASES = {
     "bench attention on CUDA without CUDA": (
         ["bench", "attention", *BENCH, "--device", "cuda"], None,
         r"bench attention: --device 'cuda': torch sees no CUDA device here; use cpu \(or omit --device\)"),
+    "bench train with a dense layer outside the model": (
+        ["bench", "train", *BENCH, "--dense-layers", "last 9"], None,
+        r"bench train: --dense-layers 'last 9' is invalid: 'last n' with n in \[1, 4\] \(the model has 4 layers\)$"),
+    "bench train with a dense tail fraction above 1": (
+        ["bench", "train", *BENCH, "--dense-final-fraction", "2"], None, r"bench train: --dense-final-fraction 2.0 must be in \[0, 1\]"),
     "bench train on CUDA without CUDA": (
         ["bench", "train", *BENCH, "--device", "cuda"], None, r"bench train: --device 'cuda': torch sees no CUDA device here"),
     "bench dca on CUDA without CUDA": (

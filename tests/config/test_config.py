@@ -145,8 +145,8 @@ def test_a_recipe_holds_data_only_and_checks_deepspeed_once(monkeypatch):
     from sparse_ft.config import schema
 
     recipe = load_recipe("tiny")
-    assert [f.name for f in dataclasses.fields(recipe.attention)] == ["pattern", "params", "backend"]
-    assert vars(recipe.attention) == {"pattern": "scca_flow", "params": {"chunks": 4}, "backend": None}
+    assert [f.name for f in dataclasses.fields(recipe.attention)] == ["pattern", "params", "backend", "dense_layers"]
+    assert vars(recipe.attention) == {"pattern": "scca_flow", "params": {"chunks": 4}, "backend": None, "dense_layers": []}
     calls = []
     monkeypatch.setattr(schema, "_check_deepspeed", lambda *args: calls.append(args))
     resolve_deepspeed_config(load_recipe("tiny"), 2, on_cuda=False)  # a run: the recipe loads, its config resolves

@@ -267,3 +267,28 @@ def test_prediction_matches_a_measured_tiny_step():
     measured = check.measure_child(case)["step_mib"] * 2**20
     _, predicted = check.predicted(check.setup_for("tiny", 4, "scca_flow", "ckpt", dtype="float32", device="cpu"), 4096)
     assert predicted == pytest.approx(measured, rel=0.05)
+
+
+def test_dense_layers_and_a_dense_tail_plan_as_full_attention_where_they_run(tmp_path, capsys):
+    """``attention.dense_layers``: those layers' backward is the pattern ``causal``'s; a dense
+    tail: the run's peak is the larger of its step's and the all-dense step's."""
+    from sparse_ft.cli import main
+
+    plain = Setup(shape=LLAMA3, pattern="scca_flow", kernel="math", pattern_params={"chunks": 4})
+    n = 16384
+    layers = dataclasses.replace(plain, dense_layers=2)
+    dense = memory.dense(plain)
+    candidates = memory.phases(layers, n)
+    assert candidates["a full-attention layer's backward at attention"] == memory.phases(dense, n)["last layer's backward at attention"]
+    assert memory.peak(plain, n) < memory.peak(layers, n) == memory.peak(dense, n)  # math kernel: the dense layer's scores
+    tail = dataclasses.replace(plain, dense_tail=True)
+    assert memory.peak(tail, n) == max(memory.peak(plain, n), memory.peak(dense, n)) == memory.peak(dense, n)
+    assert memory.longest_fit(tail, 80 * memory.GIB) == memory.longest_fit(dense, 80 * memory.GIB)
+    fused = dataclasses.replace(plain, kernel="fused")
+    assert memory.peak(dataclasses.replace(fused, dense_tail=True), n) == max(memory.peak(fused, n), memory.peak(memory.dense(fused), n))
+    out = tmp_path / "plan.json"
+    assert main(["plan", "recipe=tiny", "attention.dense_layers=last 1", "train.dense_final_fraction=0.1", "--patterns", "scca_flow",
+                 "--gpu-memory", "1GiB", "--output", str(out)]) == 0
+    setup = json.loads(out.read_text())["setup"]
+    assert setup["dense_layers"] == 1 and setup["dense_tail"] is True
+    assert "full attention (causal) in 1 of 2 layers; a dense tail" in capsys.readouterr().out
