@@ -88,7 +88,7 @@ def configure(bench: argparse.ArgumentParser) -> None:
     t.add_argument("--backend", default=None, help=f"the patterns' backend, as attention.backend: {BACKENDS} (default: sdpa)")
     t.add_argument("--dense-layers", default=None,
                    help="as attention.dense_layers: layers that attend fully (comma list of indices, or 'last n'); "
-                        "each pattern is also measured with them")
+                        "each pattern is also measured with them (default: none)")
     t.add_argument("--dense-final-fraction", type=float, default=0.0,
                    help="as train.dense_final_fraction: the all-dense step is measured too, and each pattern's run "
                         "as the mean of its step and the dense step weighted by this fraction")
