@@ -334,8 +334,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--text-passes", type=int, default=1,
                    help="when the corpus is built here: lay its text out N times, each with fresh retrieval documents")
     p.add_argument("--copy-fraction", type=float, default=0.0,
-                   help="when the corpus is built here: share of blocks that open with a copy document (a span of "
-                        "words, text, the span again: the dense signal that forms copy heads); default 0")
+                   help="when the corpus is built here: share of blocks that open with a copy document (text, then "
+                        "a span of words repeated to its end: the dense signal that forms copy heads); default 0")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's; 1 is much faster when other jobs share the cores)")
     p.set_defaults(func=run)
