@@ -49,7 +49,8 @@ class PretrainConfig:
     steps: int = 5000
     batch_size: int = 8
     lr: float = 3e-3
-    min_lr_ratio: float = 0.1
+    scheduler: str = "cosine"  # constant: no decay, the phase that forms copy heads (docs/experiment.md)
+    min_lr_ratio: float = 0.1  # cosine's floor, as a share of lr
     warmup_steps: int = 50  # steps up to the peak lr, the peak's own included
     weight_decay: float = 0.1
     grad_clip: float = 1.0
@@ -67,6 +68,8 @@ class PretrainConfig:
             raise ValueError(f"tokenizer={self.tokenizer!r} is unknown; allowed: {', '.join(TOKENIZERS)}")
         if not self.retrieval_tasks:
             raise ValueError("retrieval_tasks is empty; name passkey and/or RULER tasks (all: every one)")
+        if self.scheduler not in SCHEDULERS:
+            raise ValueError(f"scheduler={self.scheduler!r} is unknown; allowed: {', '.join(SCHEDULERS)}")
         if self.save_dtype not in dtypes.NAMES:
             raise ValueError(f"save_dtype={self.save_dtype!r} is unknown; allowed: {', '.join(dtypes.NAMES)}")
         for key in ("steps", "batch_size", "context", "log_every", "eval_windows", "num_attention_heads",
@@ -81,6 +84,7 @@ class PretrainConfig:
 
 
 TOKENIZERS = ("byte", "bpe")
+SCHEDULERS = ("constant", "cosine")  # the trainer's (config.schema.CHOICES["train.scheduler"]) that pretraining uses
 
 
 def tokenizer_for(cfg: PretrainConfig):
@@ -108,13 +112,14 @@ def retrieval_kinds(names: list[str]) -> list[str]:
 
 def train_section(cfg: PretrainConfig, output_dir: Path) -> TrainSection:
     """``cfg``'s optimizer, schedule and budget as a recipe's ``train``: AdamW with decay on
-    the matrices only, cosine to ``min_lr_ratio``. ``cfg.warmup_steps`` counts the step that
+    the matrices only, constant or cosine to ``min_lr_ratio``. ``cfg.warmup_steps`` counts the step that
     reaches the peak; the recipe's ``train.warmup_steps`` counts the steps before it."""
     from sparse_ft.config import TrainSection
 
     return TrainSection(
         output_dir=str(output_dir), max_steps=cfg.steps, lr=cfg.lr, weight_decay=cfg.weight_decay, weight_decay_on="matrices",
-        betas=[0.9, 0.95], warmup_steps=max(0, cfg.warmup_steps - 1), scheduler="cosine", min_lr_ratio=cfg.min_lr_ratio,
+        betas=[0.9, 0.95], warmup_steps=max(0, cfg.warmup_steps - 1), scheduler=cfg.scheduler,
+        min_lr_ratio=cfg.min_lr_ratio if cfg.scheduler == "cosine" else 0.0,
         per_device_batch_size=cfg.batch_size, gradient_accumulation_steps=1, gradient_checkpointing=False,
         max_grad_norm=cfg.grad_clip, seed=cfg.seed, save_steps=cfg.steps, save_total_limit=1, log_steps=cfg.log_every,
         resume="never", report_to=["none"])
@@ -325,6 +330,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--retrieval-tasks", type=lambda s: [t for t in s.split(",") if t], default=defaults.retrieval_tasks,
                    help="the kinds of retrieval document the corpus mixes in, when built here: passkey and/or RULER task "
                         "names, comma-separated, or all (default: passkey)")
+    p.add_argument("--scheduler", choices=SCHEDULERS, default=defaults.scheduler,
+                   help=f"lr after warmup: constant, or cosine to {defaults.min_lr_ratio:g} of --lr (default: {defaults.scheduler})")
     p.add_argument("--save-dtype", default=defaults.save_dtype, choices=dtypes.NAMES, help="dtype of the saved weights")
     p.add_argument("--init-from", type=Path, default=None, help="continue from this checkpoint, a second phase (default: a fresh model)")
     p.add_argument("--retrieval-fraction", type=float, default=None,

@@ -74,9 +74,17 @@ def test_schedule_warms_up_then_decays_to_the_floor():
     assert lr_at(10, cfg) > lr_at(50, cfg) > lr_at(99, cfg) >= 0.1
 
 
+def test_constant_schedule_holds_the_peak_after_warmup():
+    """The copy-head phase: no decay, whatever min_lr_ratio says (it is cosine's floor)."""
+    cfg = PretrainConfig(steps=100, warmup_steps=10, lr=1.0, min_lr_ratio=0.1, scheduler="constant")
+    assert lr_at(0, cfg) == pytest.approx(0.1) and [lr_at(s, cfg) for s in (9, 50, 99)] == [1.0, 1.0, 1.0]
+
+
 def test_bad_config_names_the_key(corpus):
     with pytest.raises(ValueError, match="save_dtype='int8'"):
         PretrainConfig(save_dtype="int8").validate()
+    with pytest.raises(ValueError, match="scheduler='linear' is unknown; allowed: constant, cosine"):
+        PretrainConfig(scheduler="linear").validate()
     with pytest.raises(ValueError, match="context=64"):
         train(PretrainConfig(**(MICRO | dict(context=64))), load_blocks(corpus), progress=False)
 
