@@ -289,18 +289,9 @@ def _dense_rows(dense_layers: Any, fraction: float) -> str:
 def _dense_layers(text: Any, layers: int) -> Any:
     """``--dense-layers`` as ``attention.dense_layers`` takes it (``last n``, or indices), checked
     by its rule against the model's ``layers``; ``[]`` when not given."""
-    from sparse_ft.methods import dense_layers_rule
+    from sparse_ft.methods import dense_layers_option
 
-    if text is None:
-        return []
-    try:
-        spec = text if text.strip().lower().startswith("last") else [int(i) for i in text.split(",") if i.strip()]
-    except ValueError:
-        spec = text
-    rule = dense_layers_rule(spec, layers)
-    if rule is not None:
-        raise ValueError(f"bench train: --dense-layers {text!r} is invalid: {rule}")
-    return spec
+    return [] if text is None else dense_layers_option(text, "bench train: --dense-layers", layers)
 
 
 def main_dca(args: argparse.Namespace) -> int:

@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 import attn_patterns
 from sparse_ft import methods
-from sparse_ft.methods.dense_layers import DenseSpec
+from sparse_ft.methods.dense_layers import DenseSpec, dense_layers_name
 from sparse_ft.modeling.attention import IMPLEMENTATION, install_method, pretrained
 from sparse_ft.bench import models
 from sparse_ft.bench.machine import CallPeak, Timing, bench_dtype, cell, interleaved, ratio
@@ -113,11 +113,6 @@ def trained_methods(patterns: Iterable[str], backend: Optional[str], dtype: str,
 
 
 DENSE = "causal"  # a dense tail's step: full attention in every layer on the patterns' kernels
-
-
-def dense_layers_name(pattern: str, dense_layers: DenseSpec) -> str:
-    """The row of ``pattern`` with ``dense_layers`` attending fully."""
-    return f"{pattern} + full in {dense_layers if isinstance(dense_layers, str) else list(dense_layers)}"
 
 
 def dense_tail_name(pattern: str, fraction: float) -> str:

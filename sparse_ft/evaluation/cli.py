@@ -12,10 +12,14 @@ from __future__ import annotations
 import argparse
 import platform
 from pathlib import Path
-from typing import Any, Callable, Optional, TextIO
+from typing import TYPE_CHECKING, Any, Callable, Optional, TextIO
 
 from sparse_ft.files.keyvalue import parse_assignments
 from sparse_ft.modeling import dtypes
+
+if TYPE_CHECKING:
+    from sparse_ft.methods import Method
+    from sparse_ft.methods.dense_layers import DenseSpec
 
 HELP = "perplexity, passkey retrieval and RULER's tasks of a model, an adapter or a training-free method"
 
@@ -26,6 +30,10 @@ def _method_args(items: list[str]) -> dict:
 
 def _model_flags(p: argparse.ArgumentParser) -> None:
     loading_flags(p)
+    p.add_argument("--dense-layers", default=None, metavar="SPEC",
+                   help="as attention.dense_layers: these layers attend fully (comma list of indices, or 'last n') while "
+                        "the others run --method, an attention pattern: an adapter as it was trained with dense layers "
+                        "(default: none, --method in every layer)")
     p.add_argument("--output", type=Path, default=None, help="results JSON (default: none, the table only)")
     p.add_argument("--label", default=None, help="name of this run in tables and plots (default: the method)")
     overwrite_flag(p)
@@ -87,6 +95,22 @@ def method_from_args(args, lengths: list[int]):
             given = " ".join(f"--method-arg {item}" for item in args.method_arg) or "its default parameters"
             raise ValueError(f"--method {args.method} with {given} at --lengths {n}: {err}") from None
     return method
+
+
+def dense_layers_from_args(args: argparse.Namespace, method: Method) -> Optional[DenseSpec]:
+    """``--dense-layers`` as ``attention.dense_layers`` takes it, its form checked before
+    anything loads (None without the flag; the range needs the model's config): those layers
+    attend fully while the others run ``method``, which must be an attention pattern."""
+    import attn_patterns
+    from sparse_ft import methods
+
+    if args.dense_layers is None:
+        return None
+    spec = methods.dense_layers_option(args.dense_layers, "--dense-layers")
+    if not isinstance(method, methods.PatternMethod):
+        raise ValueError(f"--dense-layers {args.dense_layers!r}: the other layers run --method, which must be an attention "
+                         f"pattern; --method {args.method} is not one (allowed: {', '.join(attn_patterns.PATTERNS.names())})")
+    return spec
 
 
 def _writer(args) -> str:
@@ -165,17 +189,17 @@ def _check_config(config: Any, method, check: Optional[Callable[[Any], None]]) -
 QUANTISED = {"load_in_4bit": "NF4", "load_in_8bit": "LLM.int8"}
 
 
-def _label(args) -> str:
-    """The run's name in tables and plots: the method, the adapter, the quantisation (an NF4
-    run is not the model in full precision), and the built-in model's random weights (its
-    numbers measure no pretrained model)."""
+def _label(args, method: str) -> str:
+    """The run's name in tables and plots: the ``method`` (its dense layers included), the
+    adapter, the quantisation (an NF4 run is not the model in full precision), and the built-in
+    model's random weights (its numbers measure no pretrained model)."""
     from sparse_ft.modeling.tiny import RANDOM_LABEL, is_built_in
 
     if args.label:
         return args.label
     bits = [name for flag, name in QUANTISED.items() if getattr(args, flag)]
     random = f" on {RANDOM_LABEL}" if is_built_in(getattr(args, "model", None) or "") else ""
-    return args.method + (f" + {Path(args.adapter).name}" if args.adapter else "") + "".join(f" ({b})" for b in bits) + random
+    return method + (f" + {Path(args.adapter).name}" if args.adapter else "") + "".join(f" ({b})" for b in bits) + random
 
 
 def _model_name(args) -> str:
@@ -201,11 +225,14 @@ def run_task(args) -> int:
     """Any registered task: flags, method and outputs checked, then what needs only the
     tokenizer (text data tokenised, RULER's prompts built: a length too short fails here),
     then the weights, the evaluation, the table, the results JSON and markdown, the picture."""
+    from sparse_ft import methods
     from sparse_ft.evaluation import loading, tasks
+    from sparse_ft.methods.dense_layers import num_layers
     from sparse_ft.modeling.attention import FirstForwardCheck
 
     task = tasks.TASKS.factory(args.eval).from_args(args)
     method = method_from_args(args, task.lengths)
+    dense = dense_layers_from_args(args, method)
     task.check_method(method)
     args.model = args.model or loading.recorded_base(args.adapter)  # once per run: what the results record
     inputs = {**model_inputs(args), **task.inputs()}
@@ -214,10 +241,15 @@ def run_task(args) -> int:
         _check_markdown(args, inputs)
     tokenizer = loading.tokenizer_for(args.model, args.adapter, args.trust_remote_code) if task.needs_tokenizer() else None
     task.prepare(tokenizer)
-    model, _ = load_model(args, method, tokenizer=False)
+    # the dense layers' range is checked against the config, named by the flag, before the weights
+    # load, beside the pattern's own check; the pattern is wrapped after (their causal takes any config)
+    model, _ = load_model(args, method, tokenizer=False, check_config=None if dense is None else lambda config:
+                          methods.dense_layers_option(args.dense_layers, "--dense-layers", num_layers(config)))
+    if dense is not None:
+        method = methods.with_dense_layers(method, dense)
     FirstForwardCheck(model, when=f"--method {args.method}")  # the method asked for is the one that runs
     rows = task.evaluate(model, tokenizer, method)
-    label = _label(args)
+    label = _label(args, args.method if dense is None else methods.dense_layers_name(args.method, dense))
     _emit(args, model, label, task.table(rows, label), results=rows, summary=task.summary_of(rows))
     picture = getattr(args, task.picture) if task.picture else None
     if picture is not None:

@@ -22,12 +22,16 @@ import json
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from sparse_ft import console
 from sparse_ft.config.paths import RECIPE_DIRS, REPO_ROOT
 from sparse_ft.experiment.pretrain import ASSET_DIR
 from sparse_ft.modeling.rope import SCALINGS
+
+if TYPE_CHECKING:
+    from sparse_ft.config import Recipe
+    from sparse_ft.methods import Method
 
 HELP = "the tiny base extended 4x by every pattern and training-free method: tables, plots"
 WRITER = "sparse-ft experiment"
@@ -171,6 +175,18 @@ def evaluate(model, tokenizer, method, val, *, context: int, ppl_lengths: list[i
     return out
 
 
+def training_pattern(recipe: Recipe) -> Method:
+    """What a fine-tuned row is also evaluated through (``ppl_own_pattern``): the pattern it
+    trained through, with its parameters and, under ``attention.dense_layers``, those layers
+    attending fully, as they trained. A dense tail (``train.dense_final_fraction``) is no part
+    of it: it ends the run with full attention in every layer, which the other columns measure."""
+    from sparse_ft import methods
+
+    att = recipe.attention
+    method = methods.get(att.pattern, "attention.pattern", **att.params)
+    return methods.with_dense_layers(method, att.dense_layers) if att.dense_layers else method
+
+
 def _ppl(val, lengths: list[int], context: int, cfg: ExperimentConfig):
     """Standard sliding-window PPL of the validation tokens, stride = the base's context."""
     from sparse_ft.evaluation import tasks
@@ -293,7 +309,7 @@ class Runner:
                           passkey_lengths=passkey_lengths, cfg=self.cfg)
         # the same model through the pattern it was trained with: separates "learned the
         # longer context" from "carries over to full attention", which the papers assume
-        own = _ppl(val, [self.target], self.context, self.cfg).evaluate(model, tokenizer, methods.get(pattern))[0]
+        own = _ppl(val, [self.target], self.context, self.cfg).evaluate(model, tokenizer, training_pattern(recipe))[0]
         row = {"name": name, "kind": "fine-tuned", "pattern": pattern, "seed": seed, "key": key,
                "train_seconds": train_seconds, "eval_seconds": time.perf_counter() - began,
                "final_loss": summary["final_loss"], "loss_curve": [h["loss"] for h in summary["history"]],

@@ -24,7 +24,8 @@ from sparse_ft.methods.base import (METHODS, AlgorithmMethod, Method, Sampling, 
 from sparse_ft.methods.lookup import (as_method, check, check_training, for_training, get, names, supports,
                                       trainable_names)
 from sparse_ft.methods.pattern import ModelAttention, PatternMethod
-from sparse_ft.methods.dense_layers import DenseLayers, dense_layer_indices, dense_layers_rule, dense_tail_start, with_dense_layers
+from sparse_ft.methods.dense_layers import (DenseLayers, dense_layer_indices, dense_layers_name, dense_layers_option,
+                                            dense_layers_rule, dense_tail_start, with_dense_layers)
 
 # the modules whose methods register themselves on import, in the order tables list them
 from sparse_ft.methods import rope_scaling as _rope_scaling  # noqa: E402,F401
@@ -33,5 +34,6 @@ from sparse_ft.methods import longheads as _longheads  # noqa: E402,F401
 from sparse_ft.methods import parallelcomp as _parallelcomp  # noqa: E402,F401
 
 __all__ = ["METHODS", "AlgorithmMethod", "DenseLayers", "Method", "ModelAttention", "PatternMethod", "Sampling", "Supports", "as_method",
-           "cached_generate", "check", "check_training", "dense_layer_indices", "dense_layers_rule", "dense_tail_start",
+           "cached_generate", "check", "check_training", "dense_layer_indices", "dense_layers_name", "dense_layers_option",
+           "dense_layers_rule", "dense_tail_start",
            "for_training", "get", "names", "register", "reprefill_generate", "supports", "trainable_names", "with_dense_layers"]

@@ -55,6 +55,25 @@ def dense_layers_rule(spec: Any, layers: Optional[int] = None) -> Optional[str]:
     return None
 
 
+def dense_layers_option(text: str, flag: str, layers: Optional[int] = None) -> DenseSpec:
+    """A command line's ``flag`` (``--dense-layers``: a comma list of indices, or 'last n') as
+    ``attention.dense_layers`` takes it, checked by :func:`dense_layers_rule` (against the
+    model's ``layers`` when known); ``ValueError`` "FLAG 'text' is invalid: why" otherwise."""
+    try:
+        spec: DenseSpec = text if text.strip().lower().startswith("last") else [int(i) for i in text.split(",") if i.strip()]
+    except ValueError:
+        spec = text  # neither form: the rule names both
+    rule = dense_layers_rule(spec, layers)
+    if rule is not None:
+        raise ValueError(f"{flag} {text!r} is invalid: {rule}")
+    return spec
+
+
+def dense_layers_name(pattern: str, layers: DenseSpec) -> str:
+    """``pattern`` with ``layers`` attending fully, as tables name it."""
+    return f"{pattern} + full in {layers if isinstance(layers, str) else list(layers)}"
+
+
 @functools.lru_cache(maxsize=64)
 def _indices(spec: Union[tuple, str], layers: int) -> frozenset[int]:
     rule = dense_layers_rule(spec, layers)

@@ -708,6 +708,14 @@ CLI_CASES = {
         [*PPL, "--method", "s2", "--method-arg", "chunks=300"], None,
         r"--method s2 with --method-arg chunks=300 at --lengths 256: s2\(chunks=300\) at sequence length 256: .*"
         r"fewer than 2 keys per chunk"),
+    # issue 34 item 3: eval --dense-layers as attention.dense_layers, its range from the config before the weights load
+    "eval dense layer outside the model": (
+        [*PPL, "--method", "s2", "--dense-layers", "1,4"], None,
+        r"--dense-layers '1,4' is invalid: layer indices in \[0, 3\], each once \(the model has 4 layers\), or 'last n'$"),
+    "eval dense layers beside a method that is no pattern": (
+        [*PPL, "--method", "yarn", "--dense-layers", "last 1"], None,
+        r"--dense-layers 'last 1': the other layers run --method, which must be an attention pattern; --method yarn is not "
+        r"one \(allowed: .*s2.*\)$"),
     "method argument with a YAML anchor": (
         [*PPL, "--method", "s2", "--method-arg", "chunks=&c 4"], None,
         r"--method-arg 'chunks=&c 4': YAML anchor &c at line 1, column 1 is refused"),

@@ -257,6 +257,27 @@ def test_cli_end_to_end(tmp_path, capsys):
     assert heat.stat().st_size > 1000 and "| 300 |" in capsys.readouterr().out
 
 
+def test_dense_layers_attend_fully_and_the_others_run_the_pattern(tmp_path, capsys):
+    """``eval --dense-layers``: every layer dense is full attention's PPL exactly, none is the
+    pattern's, one layer dense is neither; the label names the layers."""
+    from tests import ROOT
+
+    data = tmp_path / "d.txt"
+    data.write_text("def f(x):\n    return x + 1\n" * 100)
+
+    def ppl(*flags: str) -> float:
+        out = tmp_path / "r.json"
+        assert main(["eval", "ppl", "--model", str(ROOT / "assets" / "tiny-base"), "--data", str(data), "--lengths", "128",
+                     "--num-windows", "1", *flags, "--output", str(out), "--overwrite"]) == 0
+        return json.loads(out.read_text())["results"][0]["ppl"]
+
+    full, pattern = ppl("--method", "full"), ppl("--method", "s2")
+    assert ppl("--method", "s2", "--dense-layers", "last 4") == full  # tiny-base has 4 layers
+    assert ppl("--method", "s2", "--dense-layers", "") == pattern != full
+    assert ppl("--method", "s2", "--dense-layers", "0") not in (full, pattern)
+    assert "| s2 + full in [0] |" in capsys.readouterr().out
+
+
 def test_bin_token_files_and_bad_input(tmp_path, capsys):
     from sparse_ft.data.token_files import write_token_file
 

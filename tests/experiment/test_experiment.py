@@ -223,6 +223,20 @@ def test_ablation_rows_keep_the_tiny_base_settings():
     assert rows["longheads_paper"] == ("longheads", {"chunk_size": 32, "keep_previous": False})
 
 
+def test_a_row_is_evaluated_through_its_training_pattern_with_its_dense_layers():
+    """``ppl_own_pattern``: the pattern with its parameters and, as it trained, the layers of
+    ``attention.dense_layers`` attending fully (a row's recipe is ``--recipe`` with its pattern)."""
+    from sparse_ft import methods
+    from sparse_ft.config import load_recipe
+    from sparse_ft.experiment.run import RECIPE, training_pattern
+
+    plain = training_pattern(load_recipe(RECIPE, ["attention.pattern=s2", "attention.params={chunks: 8}"]))
+    assert isinstance(plain, methods.PatternMethod) and repr(plain) == repr(methods.get("s2", chunks=8))
+    dense = training_pattern(load_recipe(RECIPE, ["attention.pattern=s2", "attention.dense_layers=last 1"]))
+    assert isinstance(dense, methods.DenseLayers) and dense.layers == "last 1" and dense.method.name == "s2"
+    assert training_pattern(load_recipe(RECIPE, [])).name == "full"
+
+
 def test_a_method_that_cannot_take_rulers_prompts_is_reported_not_run(experiment, tmp_path, monkeypatch):
     """ParallelComp needs its chunk and the question inside C; RULER's questions can be longer
     (260 bytes on the tiny base): that row says why it has no RULER score, the others go on."""
