@@ -46,6 +46,7 @@ class PretrainConfig:
     num_attention_heads: int = 8
     num_key_value_heads: int = 4
     context: int = 256
+    max_positions: int = 0  # the fresh model's position window (0: context); a first phase sets the second's C
     steps: int = 5000
     batch_size: int = 8
     lr: float = 3e-3
@@ -76,6 +77,8 @@ class PretrainConfig:
                     "num_key_value_heads", "hidden_size", "intermediate_size", "num_hidden_layers"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key}={getattr(self, key)} must be >= 1")
+        if self.max_positions and self.max_positions < self.context:
+            raise ValueError(f"max_positions={self.max_positions} must be 0 (the context) or >= context={self.context}")
         if self.passkey_trials < 0:
             raise ValueError(f"passkey_trials={self.passkey_trials} must be >= 0")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -128,7 +131,9 @@ def train_section(cfg: PretrainConfig, output_dir: Path) -> TrainSection:
 def recipe_for(cfg: PretrainConfig, output_dir: Path, init_from: Optional[Path] = None, source: str = "") -> Recipe:
     """The recipe the trainer runs for ``cfg``, checked like a loaded one: the tiny model with
     ``cfg``'s dimensions fresh from ``cfg.seed`` (or the checkpoint ``init_from``), at
-    ``cfg.context``, with the model's own attention, in float32, without DeepSpeed. ``source``
+    ``cfg.context``, with the model's own attention, in float32, without DeepSpeed. A checkpoint
+    whose window is shorter than ``cfg.context`` is extended by PI; a first phase that sets
+    ``max_positions`` to the second's context leaves plain RoPE to train there. ``source``
     names the corpus the blocks came from (the trainer is handed the blocks themselves)."""
     from sparse_ft.config import AttentionSection, DataSection, ModelSection, Recipe
     from sparse_ft.config.schema import validate
@@ -137,8 +142,8 @@ def recipe_for(cfg: PretrainConfig, output_dir: Path, init_from: Optional[Path] 
                                               "num_attention_heads", "num_key_value_heads")}
     if cfg.tokenizer != "byte":  # the byte tokenizer's ids are the tiny model's own vocabulary
         dims["vocab_size"] = len(tokenizer_for(cfg))
-    model = (ModelSection(name_or_path=BUILT_IN, tiny={**dims, "max_position_embeddings": cfg.context}, dtype="float32",
-                          target_length=cfg.context) if init_from is None else
+    dims["max_position_embeddings"] = cfg.max_positions or cfg.context
+    model = (ModelSection(name_or_path=BUILT_IN, tiny=dims, dtype="float32", target_length=cfg.context) if init_from is None else
              ModelSection(name_or_path=str(init_from), dtype="float32", target_length=cfg.context))
     recipe = Recipe(model=model, attention=AttentionSection(pattern="full"), data=DataSection(source=source),
                     train=train_section(cfg, output_dir), deepspeed=None, name="pretrain")
@@ -311,6 +316,7 @@ def pretrain(cfg: PretrainConfig, corpus: Path = CORPUS_DIR, output: Path = ASSE
 FLAGS = {  # PretrainConfig fields the command line sets, with their help
     "hidden_size": "model width", "intermediate_size": "MLP width", "num_hidden_layers": "layers",
     "num_attention_heads": "query heads", "num_key_value_heads": "key/value heads", "context": "training context in tokens",
+    "max_positions": "a fresh model's position window, for a later phase at a longer context without RoPE scaling (0: the context)",
     "steps": "optimizer steps", "batch_size": "blocks per step", "warmup_steps": "linear warmup steps",
     "seed": "seed of the model, data order and passkeys", "passkey_trials": "passkey keys per depth in the final check",
     "eval_windows": "validation windows of the final PPL", "lr": "peak learning rate",

@@ -17,8 +17,10 @@ tracking, common and frequent words. What keeps training and evaluation apart:
 Answers are a few tokens per document, too sparse a signal to form copy heads from scratch: the
 first BPE base, trained on every kind above for 13M tokens, copied nothing at all (its loss on
 the second copy of a repeated span was its loss on the first). :func:`copy_document` is the
-dense signal: text, then a span of training words repeated to the document's end, every token
-of which past the first copy is predictable only by finding it in the copy before.
+dense signal: text, then a span of training words and numbers repeated to the document's end,
+every token of which past the first copy is predictable only by finding it in the copy before.
+The numbers matter: a base whose spans were words only copied words and not a passkey's digits
+(each digit is one token, common everywhere, so copying one needs the tokens before it too).
 """
 
 from __future__ import annotations
@@ -93,13 +95,15 @@ def retrieval_document(task: Any, tokenizer, max_tokens: int, rng: random.Random
 
 def copy_document(tokenizer, max_tokens: int, rng: random.Random, *, words: Sequence[str],
                   essay: Sequence[str]) -> list[int]:
-    """Token ids of essay text, then a span of random ``words`` repeated to the end: ``max_tokens
-    / 4`` to ``max_tokens`` tokens, the span from 4 tokens to half of them (log-uniform, so that
-    short spans repeated many times are as common as long ones repeated twice), so that most of
-    the document is predictable by copying, from every distance the context allows."""
+    """Token ids of essay text, then a span of random ``words`` and numbers (half each, 1 to 7
+    digits: the keys and values the evaluation asks for) repeated to the end: ``max_tokens / 4``
+    to ``max_tokens`` tokens, the span from 4 tokens to half of them (log-uniform, so that short
+    spans repeated many times are as common as long ones repeated twice), so that most of the
+    document is predictable by copying, from every distance the context allows."""
     length = rng.randint(max_tokens // 4 + 1, max_tokens)
     span = max(4, int(math.exp(rng.uniform(math.log(4), math.log(max(4, length // 2))))))
-    draws = " " + " ".join(rng.choice(words) for _ in range(span))  # a word is at least one token
+    items = (rng.choice(words) if rng.random() < 0.5 else str(rng.randrange(10 ** rng.randint(1, 7))) for _ in range(span))
+    draws = " " + " ".join(items)  # a word or number is at least one token
     ids = tokenizer(draws, add_special_tokens=False)["input_ids"][:span]
     text = rng.randint(0, length - 2 * len(ids))
     start = rng.randrange(max(1, len(essay) - text))

@@ -131,8 +131,8 @@ def test_text_passes_lay_the_text_out_again_with_fresh_documents(corpus, tokeniz
         build_corpus(tmp_path / "x", tokenizer, context=256, modules=MODULES, val_percent=_val_percent(), text_passes=0)
 
 
-def test_copy_documents_repeat_a_span_of_training_words_after_text(corpus, tokenizer, tmp_path):
-    """A copy block opens with text, then a span of training words repeated at least twice to
+def test_copy_documents_repeat_a_span_of_training_words_and_numbers_after_text(corpus, tokenizer, tmp_path):
+    """A copy block opens with text, then a span of training words and numbers repeated at least twice to
     the document's end, then EOS; with copy_fraction 0 the corpus is the one drawn before copy
     documents existed (the fixture's)."""
     from sparse_ft.experiment.retrieval_docs import copy_document, training_words
@@ -140,12 +140,15 @@ def test_copy_documents_repeat_a_span_of_training_words_after_text(corpus, token
     words = training_words(t for t in iter_stdlib_documents(MODULES) if not is_validation(t, _val_percent()))
     rng = random.Random(5)
     essay = "one two three four".split() * 100
+    numbers = 0
     for _ in range(20):
         ids = copy_document(tokenizer, 255, rng, words=words.single, essay=essay)
         assert 255 // 4 < len(ids) <= 255
         period = next(p for p in range(4, len(ids) // 2 + 1) if ids[-2 * p : -p] == ids[-p:])
         pieces = tokenizer.decode(ids[-2 * period :]).split()
-        assert all(any(w.find(piece) >= 0 for w in words.single) for piece in pieces)  # words, or parts where cut
+        assert all(piece.isdigit() or any(w.find(piece) >= 0 for w in words.single) for piece in pieces)  # words, or parts where cut
+        numbers += sum(piece.isdigit() for piece in pieces)
+    assert numbers > 20  # digits to copy, as a passkey's
     manifest = build_corpus(tmp_path, tokenizer, context=256, retrieval_fraction=0.25, copy_fraction=0.5, modules=MODULES,
                             val_percent=_val_percent())
     assert manifest["copy_blocks"] > 0.4 * manifest["train_blocks"] and manifest["copy_fraction"] == 0.5

@@ -74,6 +74,15 @@ def test_schedule_warms_up_then_decays_to_the_floor():
     assert lr_at(10, cfg) > lr_at(50, cfg) > lr_at(99, cfg) >= 0.1
 
 
+def test_a_first_phase_sets_the_window_a_second_trains_in_without_scaling(tmp_path):
+    from sparse_ft.experiment.pretrain import recipe_for
+
+    def window(**kw) -> int:
+        return recipe_for(PretrainConfig(**kw), tmp_path / "out", source=str(tmp_path / "train.bin")).model.tiny["max_position_embeddings"]
+
+    assert window(context=128) == 128 and window(context=128, max_positions=512) == 512
+
+
 def test_constant_schedule_holds_the_peak_after_warmup():
     """The copy-head phase: no decay, whatever min_lr_ratio says (it is cosine's floor)."""
     cfg = PretrainConfig(steps=100, warmup_steps=10, lr=1.0, min_lr_ratio=0.1, scheduler="constant")
@@ -85,6 +94,8 @@ def test_bad_config_names_the_key(corpus):
         PretrainConfig(save_dtype="int8").validate()
     with pytest.raises(ValueError, match="scheduler='linear' is unknown; allowed: constant, cosine"):
         PretrainConfig(scheduler="linear").validate()
+    with pytest.raises(ValueError, match=r"max_positions=100 must be 0 \(the context\) or >= context=256"):
+        PretrainConfig(max_positions=100).validate()
     with pytest.raises(ValueError, match="context=64"):
         train(PretrainConfig(**(MICRO | dict(context=64))), load_blocks(corpus), progress=False)
 

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The BPE base of issue 33 in two phases of `sparse-ft pretrain` (docs/experiment.md says why):
+#
+#   scripts/pretrain_bpe_base.sh SEED OUTPUT [WORK]
+#
+# 1. Copy heads: a fresh model at a 256-token context on copy documents only (text, then a span
+#    of words repeated to the document's end), at a CONSTANT lr of 1e-3. The loss sits on a
+#    plateau for thousands of steps and then falls as copy (induction) heads form (seed 1: at step
+#    ~2,850); a decaying lr, or text and retrieval documents in most blocks, kept every earlier
+#    run on the plateau. The copy probe printed at the end says whether they formed.
+# 2. Retrieval at C = 1,024: from phase 1's weights, blocks half of which open with a retrieval
+#    document of every kind the evaluation uses (passkey and RULER's 11 offline tasks) and 30 %
+#    with a copy document, cosine lr from 1e-3.
+#
+# Corpora and phase 1's checkpoint go under WORK (default: OUTPUT.work), built there once; every
+# directory must be new or an earlier output of this script. SPARSE_FT_THREADS sets torch's
+# threads (default 2; two seeds at once: 1 each).
+set -euo pipefail
+if [ $# -lt 2 ]; then
+    echo "usage: scripts/pretrain_bpe_base.sh SEED OUTPUT [WORK]" >&2
+    exit 2
+fi
+seed=$1
+output=$2
+work=${3:-$output.work}
+threads=${SPARSE_FT_THREADS:-2}
+mkdir -p "$work"
+common=(--seed "$seed" --tokenizer bpe --threads "$threads" --eval-windows 50)
+
+sparse-ft pretrain "${common[@]}" --context 256 --corpus "$work/corpus-copy" --output "$work/phase1" \
+    --max-positions 1024 --retrieval-fraction 0 --copy-fraction 1.0 --max-blocks 12000 --scheduler constant --lr 1e-3 \
+    --steps 3500 --batch-size 8 --passkey-trials 0
+
+sparse-ft pretrain "${common[@]}" --context 1024 --corpus "$work/corpus-retrieval" --output "$output" \
+    --init-from "$work/phase1" --retrieval-tasks all --retrieval-fraction 0.5 --copy-fraction 0.3 \
+    --max-blocks 8000 --scheduler cosine --lr 1e-3 --warmup-steps 20 --steps 1800 --batch-size 4 --passkey-trials 5
