@@ -28,10 +28,10 @@ def test_the_committed_plots_complaint_is_fixed():
 
 def test_quantised_runs_are_labelled(tmp_path):
     args = argparse.Namespace(label=None, method="full", adapter=None, load_in_4bit=True, load_in_8bit=False)
-    assert _label(args) == "full (NF4)"
-    assert _label(argparse.Namespace(**(vars(args) | {"load_in_4bit": False, "load_in_8bit": True,
-                                                      "adapter": str(tmp_path / "run" / "adapter")}))) == "full + adapter (LLM.int8)"
-    assert _label(argparse.Namespace(**(vars(args) | {"label": "mine"}))) == "mine"
+    assert _label(args, "full") == "full (NF4)"
+    int8 = argparse.Namespace(**(vars(args) | {"load_in_4bit": False, "load_in_8bit": True, "adapter": str(tmp_path / "run" / "adapter")}))
+    assert _label(int8, "full") == "full + adapter (LLM.int8)"
+    assert _label(argparse.Namespace(**(vars(args) | {"label": "mine"})), "full") == "mine"
 
 
 def test_eval_plot_titles_name_the_models(tmp_path, capsys, monkeypatch):
