@@ -272,6 +272,9 @@ def pretrain(cfg: PretrainConfig, corpus: Path = CORPUS_DIR, output: Path = ASSE
         raise ValueError(f"--text-passes {text_passes} must be >= 1")
     if not 0 <= copy_fraction <= 1 - retrieval_fraction:
         raise ValueError(f"--copy-fraction {copy_fraction} must be within [0, 1 - --retrieval-fraction]")
+    if init_from is not None and cfg.max_positions:
+        raise ValueError(f"--max-positions {cfg.max_positions} sets a fresh model's window; with --init-from the "
+                         "checkpoint's own is kept (omit one of them)")
     check_apart(output, "--output", {"--corpus": corpus, "--init-from": init_from and Path(init_from)})
     check_output_dir(output, overwrite)
     build = not (corpus / "corpus.json").exists()

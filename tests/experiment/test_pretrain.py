@@ -81,6 +81,8 @@ def test_a_first_phase_sets_the_window_a_second_trains_in_without_scaling(tmp_pa
         return recipe_for(PretrainConfig(**kw), tmp_path / "out", source=str(tmp_path / "train.bin")).model.tiny["max_position_embeddings"]
 
     assert window(context=128) == 128 and window(context=128, max_positions=512) == 512
+    with pytest.raises(ValueError, match="--max-positions 512 sets a fresh model's window; with --init-from"):
+        pretrain(PretrainConfig(context=128, max_positions=512), tmp_path / "c", tmp_path / "o", init_from=tmp_path / "ckpt")
 
 
 def test_constant_schedule_holds_the_peak_after_warmup():
