@@ -71,5 +71,5 @@ def run(args: argparse.Namespace) -> int:
         if trainer.training:  # raised by the loop itself, not by an input: its traceback is what to look at
             raise RuntimeError(f"training stopped: {err}") from err
         raise
-    end_distributed()  # the run is over (an error leaves the group to the exit that follows)
+    end_distributed()  # the run is over: a launched rank leaves here (an error leaves the group to the exit that follows)
     return 0

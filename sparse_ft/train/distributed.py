@@ -7,8 +7,10 @@ for MPI (and fail on ``import mpi4py``), so the rendezvous variables are filled 
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
+import sys
 import warnings
 
 import torch
@@ -49,12 +51,20 @@ def _skip_shared_memory_allreduce() -> None:
 
 
 def end_distributed() -> None:
-    """The process group of a launched multi-process run, destroyed when the run is over. Left
-    to the interpreter's exit, gloo's threads are torn down in no set order, and a rank that had
-    saved everything once aborted there ("terminate called without an active exception", exit
-    250) in CI under load. A single process keeps its group: tests run several in one."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.destroy_process_group()
+    """End a launched multi-process run whose work is done: destroy its process group, run
+    Python's exit handlers, flush, and leave with ``os._exit(0)``, skipping only the C++ static
+    destructors. Left to the interpreter's exit, a thread of the collectives' stack is torn down
+    while still joinable, and a rank that had saved everything aborted there ("terminate called
+    without an active exception", exit 250) in CI under load, twice, the second time after the
+    group was already destroyed here. A single process returns, keeping its group: tests run
+    several in one."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    dist.destroy_process_group()
+    atexit._run_exitfuncs()  # what a normal exit would run: logging's flush, temporary directories
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def init_distributed(use_deepspeed: bool) -> tuple[int, int]:
