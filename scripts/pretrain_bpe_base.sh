@@ -10,7 +10,9 @@
 #    run on the plateau. The copy probe printed at the end says whether they formed.
 # 2. Retrieval at C = 1,024: from phase 1's weights, blocks half of which open with a retrieval
 #    document of every kind the evaluation uses (passkey and RULER's 11 offline tasks) and 30 %
-#    with a copy document, cosine lr from 1e-3.
+#    with a copy document, half of these documents filling the whole block (needles ~1,000 tokens
+#    before their question: uniform lengths rarely drew them, and depth 0 failed), the text laid
+#    out three times so that no block is read twice, cosine lr from 1e-3.
 #
 # Corpora and phase 1's checkpoint go under WORK (default: OUTPUT.work), built there once; every
 # directory must be new or an earlier output of this script. SPARSE_FT_THREADS sets torch's
@@ -32,5 +34,6 @@ sparse-ft pretrain "${common[@]}" --context 256 --corpus "$work/corpus-copy" --o
     --steps 3500 --batch-size 8 --passkey-trials 0
 
 sparse-ft pretrain "${common[@]}" --context 1024 --corpus "$work/corpus-retrieval" --output "$output" \
-    --init-from "$work/phase1" --retrieval-tasks all --retrieval-fraction 0.5 --copy-fraction 0.3 \
-    --max-blocks 8000 --scheduler cosine --lr 1e-3 --warmup-steps 20 --steps 1800 --batch-size 4 --passkey-trials 5
+    --init-from "$work/phase1" --retrieval-tasks all --retrieval-fraction 0.5 --copy-fraction 0.3 --full-fraction 0.5 \
+    --text-passes 3 --max-blocks 9600 --scheduler cosine --lr 1e-3 --warmup-steps 20 --steps 2400 --batch-size 4 \
+    --passkey-trials 10

@@ -19,8 +19,9 @@ def answer_ids(tokenizer, key: str) -> list[int]:
     return token_ids(tokenizer, f" {key}.")
 
 
-def passkey_document(tokenizer, max_tokens: int, rng: random.Random) -> tuple[list[int], str]:
-    """Token ids of one document of at most ``max_tokens`` tokens (prompt + answer), and its key."""
+def passkey_document(tokenizer, max_tokens: int, rng: random.Random, *, full: bool = False) -> tuple[list[int], str]:
+    """Token ids of one document of at most ``max_tokens`` tokens (prompt + answer; as long as
+    the answer leaves room for when ``full``), and its key."""
     key = str(rng.randint(10000, 99999))
     answer = answer_ids(tokenizer, key)
     head = len(token_ids(tokenizer, TASK + "\n"))
@@ -32,7 +33,7 @@ def passkey_document(tokenizer, max_tokens: int, rng: random.Random) -> tuple[li
     if minimum + len(answer) > max_tokens:
         raise ValueError(f"max_tokens={max_tokens} is too small for a passkey document "
                          f"(needs {minimum + len(answer)} tokens without filler)")
-    length = rng.randint(minimum, max_tokens - len(answer))
+    length = max_tokens - len(answer) if full else rng.randint(minimum, max_tokens - len(answer))
     prompt = build_prompt(tokenizer, length + (0 if keep_head else head), rng.random(), key)
     ids = prompt.ids if keep_head else prompt.ids[head:]
     return ids + answer, key

@@ -1,8 +1,8 @@
 """Tables and pictures of ``sparse-ft experiment`` results: fine-tuned rows shaped like SCCA's
 Table 2 (PPL at 1x-4x after PI + LoRA+ through each training pattern, mean and spread over
 seeds), training-free rows like DCA's Table 1 (PPL far past the pretraining length), passkey
-accuracy per length, RULER's mean per length and effective context length per row, a PPL-vs-length plot and one
-passkey heatmap per row."""
+accuracy per length, RULER's mean per length and effective context length per row, a PPL-vs-length plot and, per
+row, a passkey heatmap (depth x length) and a RULER heatmap (task x length)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from collections import defaultdict
 from pathlib import Path
 from statistics import mean
 
-from sparse_ft.evaluation.plots import plot_passkey, plot_ppl
+from sparse_ft.evaluation.plots import plot_passkey, plot_ppl, plot_scores
 from sparse_ft.evaluation.report import write_json
 from sparse_ft.files.outputs import atomic_file
 from sparse_ft.modeling.rope import SCALINGS
@@ -105,6 +105,15 @@ def _mean_cells(rows: list[dict]) -> list[dict]:
     return [{"length": n, "depth": d, "accuracy": mean(v)} for (n, d), v in sorted(acc.items())]
 
 
+def _mean_scores(rows: list[dict]) -> list[dict]:
+    """RULER's score per task and length, the mean over ``rows`` (a pattern's seeds)."""
+    acc: dict[tuple, list[float]] = defaultdict(list)
+    for row in rows:
+        for r in row["ruler"]["rows"]:
+            acc[(r["task"], r["length"])].append(r["score"])
+    return [{"task": t, "length": n, "score": mean(v)} for (t, n), v in acc.items()]
+
+
 def tables(results: dict) -> str:
     rows, context, target = results["rows"], results["context"], results["target"]
     cfg = results["config"]
@@ -181,7 +190,8 @@ def write_report(results: dict, out: Path) -> None:
 
 
 def draw(results: dict, out: Path) -> list[Path]:
-    """Every plot of ``results`` into ``out``: PPL vs length, a passkey heatmap per row. Titles
+    """Every plot of ``results`` into ``out``: PPL vs length, a passkey heatmap per row and a
+    RULER heatmap per row measured with RULER (fine-tuned rows: the mean of their seeds). Titles
     name the base and what each row did; the tables are not touched, so plots can be redrawn
     from a finished ``results.json`` (``sparse-ft experiment --replot``)."""
     out, cfg = Path(out), results["config"]
@@ -192,14 +202,20 @@ def draw(results: dict, out: Path) -> list[Path]:
     for pattern, group in _by_pattern(results["rows"]).items():
         lengths = sorted(_ppl(group[0]))
         series.append((f"{pattern} (FT)", [{"length": n, "ppl": mean(_ppl(r)[n] for r in group)} for n in lengths]))
-        drawn.append(plot_passkey(_mean_cells(group), out / f"passkey_ft_{pattern}.png",
-                                  f"passkey, {base} fine-tuned to {target} ({rope} + LoRA+)\nthrough {pattern}, {seeds}"))
+        what = f"{base} fine-tuned to {target} ({rope} + LoRA+)\nthrough {pattern}, {seeds}"
+        drawn.append(plot_passkey(_mean_cells(group), out / f"passkey_ft_{pattern}.png", f"passkey, {what}"))
+        if all(_ruler(r) for r in group):
+            drawn.append(plot_scores(_mean_scores(group), group[0]["ruler"]["summary"]["tasks"],
+                                     out / f"ruler_ft_{pattern}.png", f"RULER, {what}, full attention"))
     free = [r for r in results["rows"] if r["kind"] == "training-free"]
     for row in free:
         if row["ppl"]:
             series.append((row["name"], row["ppl"]))
-        drawn.append(plot_passkey(row["passkey"], out / f"passkey_free_{row['name']}.png",
-                                  f"passkey, {base} (context {context}), training-free: {row['name']}"))
+        what = f"{base} (context {context}), training-free: {row['name']}"
+        drawn.append(plot_passkey(row["passkey"], out / f"passkey_free_{row['name']}.png", f"passkey, {what}"))
+        if _ruler(row):
+            drawn.append(plot_scores(_mean_scores([row]), row["ruler"]["summary"]["tasks"],
+                                     out / f"ruler_free_{row['name']}.png", f"RULER, {what}"))
     if series:
         tuned = _by_pattern(results["rows"])
         both = bool(tuned and free)  # then say which lines are which

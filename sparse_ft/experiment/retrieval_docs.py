@@ -71,16 +71,17 @@ def ruler_tasks(names: Sequence[str], tokenizer, words: Words) -> dict[str, Any]
 
 
 def retrieval_document(task: Any, tokenizer, max_tokens: int, rng: random.Random, *, seed: str,
-                       essay: Sequence[str]) -> list[int]:
+                       essay: Sequence[str], full: bool = False) -> list[int]:
     """Token ids of ``task``'s prompt fitted to a length drawn in ``[max_tokens / 4,
-    max_tokens]`` (its shortest prompt at least), then its reference answer. ``seed`` names the
-    sample's stream; ``essay`` the words an essay haystack starts from. Raises ``ValueError``
-    when even ``max_tokens`` cannot hold the task's shortest prompt."""
+    max_tokens]`` (its shortest prompt at least; ``max_tokens`` itself when ``full``), then its
+    reference answer. ``seed`` names the sample's stream; ``essay`` the words an essay haystack
+    starts from. Raises ``ValueError`` when even ``max_tokens`` cannot hold the task's shortest
+    prompt."""
     from sparse_ft.evaluation.names import BadParameter
 
     if task.uses_essay:
         task.setup(tokenizer, essay)
-    length = rng.randint(max_tokens // 4 + 1, max_tokens)
+    length = max_tokens if full else rng.randint(max_tokens // 4 + 1, max_tokens)
     for tried in (length, max_tokens):
         try:
             prompt = task.fit(tokenizer, tried, seed=seed)
@@ -94,13 +95,14 @@ def retrieval_document(task: Any, tokenizer, max_tokens: int, rng: random.Random
 
 
 def copy_document(tokenizer, max_tokens: int, rng: random.Random, *, words: Sequence[str],
-                  essay: Sequence[str]) -> list[int]:
+                  essay: Sequence[str], full: bool = False) -> list[int]:
     """Token ids of essay text, then a span of random ``words`` and numbers (half each, 1 to 7
     digits: the keys and values the evaluation asks for) repeated to the end: ``max_tokens / 4``
     to ``max_tokens`` tokens, the span from 4 tokens to half of them (log-uniform, so that short
     spans repeated many times are as common as long ones repeated twice), so that most of the
-    document is predictable by copying, from every distance the context allows."""
-    length = rng.randint(max_tokens // 4 + 1, max_tokens)
+    document is predictable by copying, from every distance the context allows. ``full``: exactly
+    ``max_tokens`` tokens."""
+    length = max_tokens if full else rng.randint(max_tokens // 4 + 1, max_tokens)
     span = max(4, int(math.exp(rng.uniform(math.log(4), math.log(max(4, length // 2))))))
     items = (rng.choice(words) if rng.random() < 0.5 else str(rng.randrange(10 ** rng.randint(1, 7))) for _ in range(span))
     draws = " " + " ".join(items)  # a word or number is at least one token

@@ -868,6 +868,9 @@ CLI_CASES = {
     "pretrain copy fraction beyond the retrieval documents' share": (
         ["pretrain", "--copy-fraction", "0.8", "--corpus", "OUT/c", "--output", "OUT/p"], None,
         r"--copy-fraction 0.8 must be within \[0, 1 - --retrieval-fraction\]"),
+    "pretrain share of full documents above 1": (
+        ["pretrain", "--full-fraction", "1.5", "--corpus", "OUT/c", "--output", "OUT/p"], None,
+        r"--full-fraction 1.5 must be within \[0, 1\]"),
     "pretrain with an unknown retrieval task": (
         ["pretrain", "--retrieval-tasks", "passkey,nope", "--corpus", "OUT/c", "--output", "OUT/p"], None,
         r"retrieval_tasks: 'nope' unknown; allowed: passkey, niah_single_1, .*, fwe or all"),

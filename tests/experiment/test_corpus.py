@@ -155,3 +155,18 @@ def test_copy_documents_repeat_a_span_of_training_words_and_numbers_after_text(c
     assert corpus[1]["copy_blocks"] == 0
     with pytest.raises(ValueError, match=r"^copy_fraction=0.6 must be within \[0, 1 - retrieval_fraction=0.5\]$"):
         build_corpus(tmp_path / "x", tokenizer, context=256, retrieval_fraction=0.5, copy_fraction=0.6, modules=MODULES)
+
+
+def test_full_documents_fill_their_block(corpus, tokenizer, tmp_path):
+    """With full_fraction 1 every passkey and copy document is as long as its block allows (a
+    needle a whole context before its question: depth 0 at the full length); with 0 nothing is
+    drawn for it, so the corpus is the one drawn before the option existed (the fixture's)."""
+    assert corpus[1]["full_documents"] == 0 and corpus[1]["full_fraction"] == 0.0
+    manifest = build_corpus(tmp_path, tokenizer, context=256, retrieval_fraction=0.5, copy_fraction=0.3, full_fraction=1.0,
+                            modules=MODULES, val_percent=_val_percent())
+    opened = manifest["passkey_blocks"] + manifest["copy_blocks"]
+    assert manifest["full_documents"] == opened > 0
+    ends = [list(block).index(tokenizer.eos_token_id) for block in load_blocks(tmp_path) if tokenizer.eos_token_id in block]
+    assert ends.count(255) == opened  # a document of 255 tokens, then EOS: the block's last token
+    with pytest.raises(ValueError, match=r"^full_fraction=-0.1 must be within \[0, 1\]$"):
+        build_corpus(tmp_path / "x", tokenizer, context=256, modules=MODULES, full_fraction=-0.1)

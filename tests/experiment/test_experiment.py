@@ -31,7 +31,8 @@ def test_rows_tables_and_plots(experiment):
     out = Path(cfg.output)
     names = [r["name"] for r in results["rows"]]
     assert names == ["s2-seed0", "s2-seed1", "vanilla", "pi", "dca_intra", "parallelcomp"]
-    for name in ("results.json", "tables.md", "ppl_vs_length.png", "passkey_ft_s2.png", "passkey_free_pi.png"):
+    for name in ("results.json", "tables.md", "ppl_vs_length.png", "passkey_ft_s2.png", "passkey_free_pi.png",
+                 "ruler_ft_s2.png", "ruler_free_pi.png"):
         assert (out / name).stat().st_size > 0, name
     tables = (out / "tables.md").read_text()
     assert "| s2 | " in tables and " ± " in tables  # two seeds: mean and spread
@@ -202,8 +203,9 @@ def test_replot_redraws_only_the_plots(experiment, tmp_path, capsys):
     assert main(["experiment", "--output", str(out), "--replot"]) == 0
     drawn = [line.removeprefix("wrote ") for line in capsys.readouterr().out.splitlines()]
     rows = json.loads(kept["results.json"])["rows"]  # the last run's rows: earlier tests ran other settings here
-    expected = {"ppl_vs_length.png"} | {f"passkey_ft_{r['pattern']}.png" if r["kind"] == "fine-tuned" else
-                                        f"passkey_free_{r['name']}.png" for r in rows}
+    expected = {"ppl_vs_length.png"} | {f"{plot}_ft_{r['pattern']}.png" if r["kind"] == "fine-tuned" else
+                                        f"{plot}_free_{r['name']}.png" for r in rows
+                                        for plot in ("passkey", "ruler") if plot == "passkey" or "summary" in r.get("ruler", {})}
     assert sorted(Path(p).name for p in drawn) == sorted(expected)
     assert {name: (out / name).read_bytes() for name in kept} == kept
     assert sorted(p.name for p in out.glob("*.png")) == pngs
