@@ -47,6 +47,7 @@ class PretrainConfig:
     num_key_value_heads: int = 4
     context: int = 256
     max_positions: int = 0  # the fresh model's position window (0: context); a first phase sets the second's C
+    rope_theta: float = 0.0  # RoPE's base (0: the tiny model's, or the checkpoint's); with init_from, it continues at this one
     steps: int = 5000
     batch_size: int = 8
     lr: float = 3e-3
@@ -77,6 +78,8 @@ class PretrainConfig:
                     "num_key_value_heads", "hidden_size", "intermediate_size", "num_hidden_layers"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key}={getattr(self, key)} must be >= 1")
+        if self.rope_theta and not self.rope_theta > 1:
+            raise ValueError(f"rope_theta={self.rope_theta} must be 0 (keep the model's) or > 1")
         if self.max_positions and self.max_positions < self.context:
             raise ValueError(f"max_positions={self.max_positions} must be 0 (the context) or >= context={self.context}")
         if self.passkey_trials < 0:
@@ -143,6 +146,8 @@ def recipe_for(cfg: PretrainConfig, output_dir: Path, init_from: Optional[Path] 
     if cfg.tokenizer != "byte":  # the byte tokenizer's ids are the tiny model's own vocabulary
         dims["vocab_size"] = len(tokenizer_for(cfg))
     dims["max_position_embeddings"] = cfg.max_positions or cfg.context
+    if cfg.rope_theta:
+        dims["rope_theta"] = cfg.rope_theta
     model = (ModelSection(name_or_path=BUILT_IN, tiny=dims, dtype="float32", target_length=cfg.context) if init_from is None else
              ModelSection(name_or_path=str(init_from), dtype="float32", target_length=cfg.context))
     recipe = Recipe(model=model, attention=AttentionSection(pattern="full"), data=DataSection(source=source),
@@ -177,7 +182,10 @@ def train(cfg: PretrainConfig, blocks: np.ndarray, progress: bool = True, init_f
     if blocks.shape[1] != cfg.context:
         raise ValueError(f"the corpus has blocks of {blocks.shape[1]} tokens but context={cfg.context}")
     began = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="sparse-ft-pretrain-") as run_dir:
+    with tempfile.TemporaryDirectory(prefix="sparse-ft-pretrain-") as run_dir, \
+            tempfile.TemporaryDirectory(prefix="sparse-ft-rebased-") as copy_dir:
+        if init_from is not None and cfg.rope_theta:
+            init_from = rebased(Path(init_from), cfg.rope_theta, Path(copy_dir) / "checkpoint")
         trainer = Pretrainer(recipe_for(cfg, Path(run_dir), init_from, source), blocks, progress)
         history = trainer.run()["history"]
     seconds = time.perf_counter() - began
@@ -188,6 +196,32 @@ def train(cfg: PretrainConfig, blocks: np.ndarray, progress: bool = True, init_f
              "tokens_per_second": tokens / seconds, "loss_curve": curve,
              "parameters": sum(p.numel() for p in trainer.model.parameters())}
     return trainer.model.eval(), stats
+
+
+def rebased(checkpoint: Path, theta: float, into: Path) -> Path:
+    """``checkpoint`` to continue at RoPE base ``theta``: itself when its base is ``theta``, else
+    a copy under ``into`` whose config says ``theta`` (the weights are the checkpoint's, and
+    adapt to the new base as the phase trains). Why a later phase raises it: with 16 dimensions
+    per head at the default 10,000, only two of the eight frequency pairs turn by less than a
+    radian over 1,000 tokens, and the two-phase BPE bases found a needle reliably only ~500
+    tokens back; a third phase at 500,000 found it at every depth of 1,016 (docs/experiment.md)."""
+    import shutil
+
+    from transformers import AutoConfig
+
+    from sparse_ft.modeling import rope
+
+    config = AutoConfig.from_pretrained(checkpoint)
+    params = rope.rope_parameters(config)
+    if params["rope_type"] != "default":
+        raise ValueError(f"--rope-theta with --init-from needs a checkpoint with plain RoPE; {checkpoint} has "
+                         f"rope_type {params['rope_type']!r}")
+    if params["rope_theta"] == theta:
+        return checkpoint
+    shutil.copytree(checkpoint, into)
+    rope.restore(config, {**params, "rope_theta": theta}, config.max_position_embeddings)
+    config.save_pretrained(into)
+    return into
 
 
 def evaluate(model, tokenizer, val_tokens: np.ndarray, cfg: PretrainConfig) -> dict:
@@ -325,6 +359,7 @@ FLAGS = {  # PretrainConfig fields the command line sets, with their help
     "hidden_size": "model width", "intermediate_size": "MLP width", "num_hidden_layers": "layers",
     "num_attention_heads": "query heads", "num_key_value_heads": "key/value heads", "context": "training context in tokens",
     "max_positions": "a fresh model's position window, for a later phase at a longer context without RoPE scaling (0: the context)",
+    "rope_theta": "RoPE's base; with --init-from the checkpoint continues at it (0: the model's own)",
     "steps": "optimizer steps", "batch_size": "blocks per step", "warmup_steps": "linear warmup steps",
     "seed": "seed of the model, data order and passkeys", "passkey_trials": "passkey keys per depth in the final check",
     "eval_windows": "validation windows of the final PPL", "lr": "peak learning rate",

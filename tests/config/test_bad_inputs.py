@@ -868,6 +868,9 @@ CLI_CASES = {
     "pretrain copy fraction beyond the retrieval documents' share": (
         ["pretrain", "--copy-fraction", "0.8", "--corpus", "OUT/c", "--output", "OUT/p"], None,
         r"--copy-fraction 0.8 must be within \[0, 1 - --retrieval-fraction\]"),
+    "pretrain at a RoPE base of at most 1": (
+        ["pretrain", "--rope-theta", "0.5", "--corpus", "OUT/c", "--output", "OUT/p"], None,
+        r"rope_theta=0.5 must be 0 \(keep the model's\) or > 1"),
     "pretrain share of full documents above 1": (
         ["pretrain", "--full-fraction", "1.5", "--corpus", "OUT/c", "--output", "OUT/p"], None,
         r"--full-fraction 1.5 must be within \[0, 1\]"),

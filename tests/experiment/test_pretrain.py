@@ -43,6 +43,11 @@ def test_micro_pretrain_writes_a_loadable_safetensors_checkpoint(corpus, tmp_pat
     more = pretrain(PretrainConfig(**(MICRO | dict(steps=1))), corpus, tmp_path / "phase2", progress=False,
                     init_from=tmp_path / "base")
     assert more["previous_phase"]["steps"] == 3 and more["steps"] == 1
+    # a phase at another RoPE base: the result says it, the checkpoint it came from is untouched
+    pretrain(PretrainConfig(**(MICRO | dict(steps=1, rope_theta=5e5))), corpus, tmp_path / "rebased", progress=False,
+             init_from=tmp_path / "base")
+    theta = [json.loads((tmp_path / d / "config.json").read_text())["rope_parameters"]["rope_theta"] for d in ("base", "rebased")]
+    assert theta == [10000.0, 5e5]
 
 
 def test_training_is_seeded_and_lowers_the_loss(corpus):
@@ -96,6 +101,8 @@ def test_bad_config_names_the_key(corpus):
         PretrainConfig(save_dtype="int8").validate()
     with pytest.raises(ValueError, match="scheduler='linear' is unknown; allowed: constant, cosine"):
         PretrainConfig(scheduler="linear").validate()
+    with pytest.raises(ValueError, match=r"rope_theta=0.5 must be 0 \(keep the model's\) or > 1"):
+        PretrainConfig(rope_theta=0.5).validate()
     with pytest.raises(ValueError, match=r"max_positions=100 must be 0 \(the context\) or >= context=256"):
         PretrainConfig(max_positions=100).validate()
     with pytest.raises(ValueError, match="context=64"):
