@@ -219,7 +219,7 @@ def rebased(checkpoint: Path, theta: float, into: Path) -> Path:
     if params["rope_theta"] == theta:
         return checkpoint
     shutil.copytree(checkpoint, into)
-    rope.restore(config, {**params, "rope_theta": theta}, config.max_position_embeddings)
+    rope.restore(config, rope.portable({**params, "rope_theta": theta}), config.max_position_embeddings)
     config.save_pretrained(into)
     return into
 

@@ -46,8 +46,8 @@ def test_micro_pretrain_writes_a_loadable_safetensors_checkpoint(corpus, tmp_pat
     # a phase at another RoPE base: the result says it, the checkpoint it came from is untouched
     pretrain(PretrainConfig(**(MICRO | dict(steps=1, rope_theta=5e5))), corpus, tmp_path / "rebased", progress=False,
              init_from=tmp_path / "base")
-    theta = [json.loads((tmp_path / d / "config.json").read_text())["rope_parameters"]["rope_theta"] for d in ("base", "rebased")]
-    assert theta == [10000.0, 5e5]
+    rope = [json.loads((tmp_path / d / "config.json").read_text())["rope_parameters"] for d in ("base", "rebased")]
+    assert rope == [{"rope_theta": 10000.0, "rope_type": "default"}, {"rope_theta": 5e5, "rope_type": "default"}]  # no stray keys
 
 
 def test_training_is_seeded_and_lowers_the_loss(corpus):
