@@ -30,10 +30,6 @@ def _method_args(items: list[str]) -> dict:
 
 def _model_flags(p: argparse.ArgumentParser) -> None:
     loading_flags(p)
-    p.add_argument("--dense-layers", default=None, metavar="SPEC",
-                   help="as attention.dense_layers: these layers attend fully (comma list of indices, or 'last n') while "
-                        "the others run --method, an attention pattern: an adapter as it was trained with dense layers "
-                        "(default: none, --method in every layer)")
     p.add_argument("--output", type=Path, default=None, help="results JSON (default: none, the table only)")
     p.add_argument("--label", default=None, help="name of this run in tables and plots (default: the method)")
     overwrite_flag(p)
@@ -57,6 +53,10 @@ def loading_flags(p: argparse.ArgumentParser) -> None:
                    help="dtype the 4-bit matmuls run in")
     p.add_argument("--device", default=None, help="e.g. cuda:0 or cpu (default: cuda when available, else cpu)")
     p.add_argument("--trust-remote-code", action="store_true", help="run code from the model repository")
+    p.add_argument("--dense-layers", default=None, metavar="SPEC",
+                   help="as attention.dense_layers: these layers attend fully (comma list of indices, or 'last n') while "
+                        "the others run --method, an attention pattern: an adapter as it was trained with dense layers "
+                        "(default: none, --method in every layer)")
 
 
 def overwrite_flag(p: argparse.ArgumentParser) -> None:
@@ -111,6 +111,18 @@ def dense_layers_from_args(args: argparse.Namespace, method: Method) -> Optional
         raise ValueError(f"--dense-layers {args.dense_layers!r}: the other layers run --method, which must be an attention "
                          f"pattern; --method {args.method} is not one (allowed: {', '.join(attn_patterns.PATTERNS.names())})")
     return spec
+
+
+def dense_layers_range(args: argparse.Namespace) -> Callable[[Any], None]:
+    """A check of ``--dense-layers``' indices against a model's config, named by the flag, for
+    :func:`load_model`'s ``check_config`` (before the weights load; nothing without the flag)."""
+    def check(config: Any) -> None:
+        from sparse_ft import methods
+        from sparse_ft.methods.dense_layers import num_layers
+
+        if args.dense_layers is not None:
+            methods.dense_layers_option(args.dense_layers, "--dense-layers", num_layers(config))
+    return check
 
 
 def _writer(args) -> str:
@@ -227,7 +239,6 @@ def run_task(args) -> int:
     then the weights, the evaluation, the table, the results JSON and markdown, the picture."""
     from sparse_ft import methods
     from sparse_ft.evaluation import loading, tasks
-    from sparse_ft.methods.dense_layers import num_layers
     from sparse_ft.modeling.attention import FirstForwardCheck
 
     task = tasks.TASKS.factory(args.eval).from_args(args)
@@ -243,8 +254,7 @@ def run_task(args) -> int:
     task.prepare(tokenizer)
     # the dense layers' range is checked against the config, named by the flag, before the weights
     # load, beside the pattern's own check; the pattern is wrapped after (their causal takes any config)
-    model, _ = load_model(args, method, tokenizer=False, check_config=None if dense is None else lambda config:
-                          methods.dense_layers_option(args.dense_layers, "--dense-layers", num_layers(config)))
+    model, _ = load_model(args, method, tokenizer=False, check_config=dense_layers_range(args))
     if dense is not None:
         method = methods.with_dense_layers(method, dense)
     FirstForwardCheck(model, when=f"--method {args.method}")  # the method asked for is the one that runs

@@ -213,20 +213,28 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
     from transformers import TextStreamer
 
+    from sparse_ft import methods
     from sparse_ft.evaluation import loading
-    from sparse_ft.evaluation.cli import load_model, method_from_args
+    from sparse_ft.evaluation.cli import dense_layers_from_args, dense_layers_range, load_model, method_from_args
     from sparse_ft.modeling.attention import FirstForwardCheck
 
     prompts = read_prompts(args)
     sampling = sampling_of(args)
     method = method_from_args(args, [])
+    dense = dense_layers_from_args(args, method)
     check_method(args, method, prompts, sampling)
     args.model = args.model or loading.recorded_base(args.adapter)
     check_output(args)
     tokenizer = loading.tokenizer_for(args.model, args.adapter, args.trust_remote_code)
     ids = tokenize(tokenizer, prompts)
-    model, _ = load_model(args, method, tokenizer=False, log=sys.stderr,
-                          check_config=lambda config: check_lengths(args, method, config, prompts=prompts, ids=ids))
+    def check_config(config: Any) -> None:
+        check_lengths(args, method, config, prompts=prompts, ids=ids)
+        dense_layers_range(args)(config)
+
+    model, _ = load_model(args, method, tokenizer=False, log=sys.stderr, check_config=check_config)
+    if dense is not None:  # wrapped after the checks, as eval's: the pattern's own check is on the config
+        method = methods.with_dense_layers(method, dense)
+        args.method = methods.dense_layers_name(args.method, dense)  # what the JSON lines record
     method.apply(model, max(len(c) + len(q) for c, q in ids) + args.max_new_tokens)
     FirstForwardCheck(model, when=f"--method {args.method}")  # the method asked for is the one that runs, as eval's
     size = args.batch_size if "left" in method.supports.padding else 1

@@ -669,6 +669,12 @@ CLI_CASES = {
         ["generate", "--model", "BASE", "--temperature", "-1", "x"], None, r"--temperature -1.0 must be a finite number >= 0"),
     "generate greedy with a top-p": (
         ["generate", "--model", "BASE", "--top-p", "0.9", "x"], None, r"--top-p 0.9 samples, but --temperature 0 decodes greedily"),
+    "generate with a dense layer outside the model": (
+        ["generate", "--model", "BASE", "--method", "s2", "--dense-layers", "0,4", "y" * 40], None,
+        r"--dense-layers '0,4' is invalid: layer indices in \[0, 3\], each once \(the model has 4 layers\), or 'last n'$"),
+    "generate with dense layers beside a method that is no pattern": (
+        ["generate", "--model", "BASE", "--method", "dca", "--dense-layers", "last 1", "x"], None,
+        r"--dense-layers 'last 1': the other layers run --method, which must be an attention pattern; --method dca is not"),
     "generate with parallelcomp without a context": (
         ["generate", "--model", "BASE", "--method", "parallelcomp", "x"], None,
         r"prompt 1 has no context: --method parallelcomp answers a prompt about a context"),
@@ -868,6 +874,9 @@ CLI_CASES = {
     "pretrain copy fraction beyond the retrieval documents' share": (
         ["pretrain", "--copy-fraction", "0.8", "--corpus", "OUT/c", "--output", "OUT/p"], None,
         r"--copy-fraction 0.8 must be within \[0, 1 - --retrieval-fraction\]"),
+    "pretrain lookup and copy documents beyond what the retrieval documents leave": (
+        ["pretrain", "--lookup-fraction", "0.3", "--copy-fraction", "0.5", "--corpus", "OUT/c", "--output", "OUT/p"], None,
+        r"--copy-fraction 0.5 must be within \[0, 1 - --retrieval-fraction - --lookup-fraction\]"),
     "pretrain at a RoPE base of at most 1": (
         ["pretrain", "--rope-theta", "0.5", "--corpus", "OUT/c", "--output", "OUT/p"], None,
         r"rope_theta=0.5 must be 0 \(keep the model's\) or > 1"),

@@ -124,3 +124,14 @@ def test_parallelcomp_answers_a_prompt_about_its_context(tmp_path, capsys):
     rows.write_text(json.dumps({"context": "The pass key is 12345. " * 8, "prompt": " The pass key is"}) + "\n")
     lines = generate(capsys, "--method", "parallelcomp", "--method-arg", "chunk_size=64", "--file", str(rows))
     assert len(lines) == 1
+
+
+def test_dense_layers_run_full_attention_in_those_layers(capsys, tmp_path):
+    """``generate --dense-layers`` as ``eval``'s: a pattern with every layer dense answers as full
+    attention does, with none as the pattern alone; the JSON lines name the layers."""
+    prompt = "x = 1\n" * 40  # longer than s2's group: the pattern differs from full attention
+    full = generate(capsys, prompt)
+    args = ("--method", "s2")
+    assert generate(capsys, *args, "--dense-layers", "last 4", "--output", str(tmp_path / "g.jsonl"), prompt) == full
+    assert json.loads((tmp_path / "g.jsonl").read_text())["method"] == "s2 + full in last 4"
+    assert generate(capsys, *args, "--dense-layers", "", prompt) == generate(capsys, *args, prompt) != full
