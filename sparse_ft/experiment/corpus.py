@@ -47,7 +47,8 @@ def is_validation(text: str, val_percent: float) -> bool:
 def build_corpus(output_dir: Path, tokenizer, context: int = 256, retrieval_fraction: float = RETRIEVAL_FRACTION,
                  *, val_percent: float = 5.0, seed: int = 0, modules: Optional[Iterable[str]] = None,
                  max_blocks: Optional[int] = None, retrieval_tasks: Sequence[str] = ("passkey",),
-                 text_passes: int = 1, copy_fraction: float = 0.0, full_fraction: float = 0.0) -> dict:
+                 text_passes: int = 1, copy_fraction: float = 0.0, full_fraction: float = 0.0,
+                 lookup_fraction: float = 0.0) -> dict:
     """Write train.bin, val.bin and corpus.json under ``output_dir``; return the manifest.
 
     ``modules=None`` takes every top-level module of the standard library; ``max_blocks``
@@ -59,15 +60,21 @@ def build_corpus(output_dir: Path, tokenizer, context: int = 256, retrieval_frac
     distinct retrieval documents than one pass of the text holds). ``copy_fraction`` of the
     blocks open with a copy document instead (:func:`retrieval_docs.copy_document`: the
     signal that forms copy heads); 0 draws exactly what this corpus drew before it existed.
-    ``full_fraction`` of the retrieval and copy documents fill their block: a length drawn
+    ``lookup_fraction`` of the blocks open with a lookup document (:class:`retrieval_docs.Lookup`:
+    needles, then every key asked and answered, the signal that teaches matching a key); drawn
+    just above the retrieval documents, so 0 draws what was drawn before it existed.
+    ``full_fraction`` of the retrieval, lookup and copy documents fill their block: a length drawn
     uniformly rarely puts a needle ~``context`` tokens before its question, the distance a
     prompt at the full context asks for at depth 0 (a base trained without them retrieved at
     depths 0.5 and 1 and missed depth 0 by a few digits); 0 draws what was drawn before.
     """
     if not 0.0 <= retrieval_fraction <= 1.0:
         raise ValueError(f"retrieval_fraction={retrieval_fraction} must be within [0, 1]")
-    if not 0.0 <= copy_fraction <= 1.0 - retrieval_fraction:
-        raise ValueError(f"copy_fraction={copy_fraction} must be within [0, 1 - retrieval_fraction={retrieval_fraction}]")
+    if not 0.0 <= lookup_fraction <= 1.0 - retrieval_fraction:
+        raise ValueError(f"lookup_fraction={lookup_fraction} must be within [0, 1 - retrieval_fraction={retrieval_fraction}]")
+    if not 0.0 <= copy_fraction <= 1.0 - retrieval_fraction - lookup_fraction:
+        raise ValueError(f"copy_fraction={copy_fraction} must be within [0, 1 - retrieval_fraction={retrieval_fraction}"
+                         + (f" - lookup_fraction={lookup_fraction}]" if lookup_fraction else "]"))
     if not 0.0 <= full_fraction <= 1.0:
         raise ValueError(f"full_fraction={full_fraction} must be within [0, 1]")
     kinds = list(dict.fromkeys(retrieval_tasks))
@@ -88,14 +95,17 @@ def build_corpus(output_dir: Path, tokenizer, context: int = 256, retrieval_frac
         split = "validation" if is_validation(text, val_percent) else "train"
         files[split] += 1
         (val if split == "validation" else train).extend(tokenizer(text, add_special_tokens=False)["input_ids"] + [eos])
-        if split == "train" and (kinds != ["passkey"] or copy_fraction):
+        if split == "train" and (kinds != ["passkey"] or copy_fraction or lookup_fraction):
             texts.append(text)
     if not val or not train:
         raise ValueError(f"val_percent={val_percent} leaves {files} modules per split; both need at least one")
 
     others = [k for k in kinds if k != "passkey"]
-    words = retrieval_docs.training_words(texts) if others or copy_fraction else None
-    ruler = retrieval_docs.ruler_tasks(others, tokenizer, words) if others else {}
+    words = retrieval_docs.training_words(texts) if others or copy_fraction or lookup_fraction else None
+    tasks = retrieval_docs.ruler_tasks(others, tokenizer, words) if others else {}
+    if lookup_fraction:
+        tasks["lookup"] = lookup = retrieval_docs.Lookup()
+        lookup.word_lists = words
     essay = [word for text in texts for word in text.split()]
     rng = random.Random(seed)
     blocks: list[list[int]] = []
@@ -104,18 +114,19 @@ def build_corpus(output_dir: Path, tokenizer, context: int = 256, retrieval_frac
     while max_blocks is None or len(blocks) < max_blocks:
         block, kind = [], None
         draw = rng.random()
-        opens = draw < retrieval_fraction or draw >= 1.0 - copy_fraction  # a document, not text alone
+        looks = retrieval_fraction <= draw < retrieval_fraction + lookup_fraction
+        opens = draw < retrieval_fraction or looks or draw >= 1.0 - copy_fraction  # a document, not text alone
         full = full_fraction > 0 and opens and rng.random() < full_fraction  # no draw at 0: the corpus of before
         if draw >= 1.0 - copy_fraction:  # the top of the draw: with copy_fraction 0, the draws of before
             kind = "copy"
             block = retrieval_docs.copy_document(tokenizer, context - 1, rng, words=words.single, essay=essay, full=full) + [eos]
-        elif draw < retrieval_fraction:
-            kind = kinds[0] if len(kinds) == 1 else rng.choice(kinds)
+        elif draw < retrieval_fraction or looks:
+            kind = "lookup" if looks else kinds[0] if len(kinds) == 1 else rng.choice(kinds)
             if kind == "passkey":
                 block = passkey_document(tokenizer, context - 1, rng, full=full)[0] + [eos]
             else:
                 start = rng.randrange(max(1, len(essay) - 4 * context))
-                block = retrieval_docs.retrieval_document(ruler[kind], tokenizer, context - 1, rng,
+                block = retrieval_docs.retrieval_document(tasks[kind], tokenizer, context - 1, rng,
                                                           seed=f"pretrain:{seed}:{len(blocks)}",
                                                           essay=essay[start : start + 4 * context], full=full) + [eos]
         take = context - len(block)
@@ -139,7 +150,8 @@ def build_corpus(output_dir: Path, tokenizer, context: int = 256, retrieval_frac
         "modules": "all top-level stdlib modules" if modules is None else list(modules),
         "files": files, "context": context, "max_blocks": max_blocks, "dtype": dtype, "seed": seed,
         "retrieval_fraction": retrieval_fraction, "retrieval_tasks": kinds, "text_passes": text_passes,
-        "copy_fraction": copy_fraction, "copy_blocks": opened["copy"], "full_fraction": full_fraction, "full_documents": filled,
+        "copy_fraction": copy_fraction, "copy_blocks": opened["copy"], "lookup_fraction": lookup_fraction,
+        "lookup_blocks": opened["lookup"], "full_fraction": full_fraction, "full_documents": filled,
         "val_percent": val_percent,
         "tokenizer": type(tokenizer).__name__, "vocab_size": vocab,
         "train_blocks": len(blocks), "passkey_blocks": opened["passkey"],

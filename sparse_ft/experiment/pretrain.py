@@ -284,7 +284,7 @@ def save(model, tokenizer, stats: dict, output: Path, *, save_dtype: str, overwr
 def pretrain(cfg: PretrainConfig, corpus: Path = CORPUS_DIR, output: Path = ASSET_DIR, progress: bool = True,
              *, init_from: Optional[Path] = None, retrieval_fraction: Optional[float] = None,
              max_blocks: Optional[int] = None, text_passes: int = 1, copy_fraction: float = 0.0,
-             full_fraction: float = 0.0, overwrite: bool = False) -> dict:
+             full_fraction: float = 0.0, lookup_fraction: float = 0.0, overwrite: bool = False) -> dict:
     """Build the corpus if missing, train, evaluate, save; returns the stats written (with the
     stats of ``init_from``'s training under ``previous_phase``). ``output`` is checked first:
     apart from the inputs, and an earlier output of this command only with ``overwrite``."""
@@ -304,8 +304,11 @@ def pretrain(cfg: PretrainConfig, corpus: Path = CORPUS_DIR, output: Path = ASSE
         raise ValueError(f"--max-blocks {max_blocks} must be >= 1")
     if text_passes < 1:
         raise ValueError(f"--text-passes {text_passes} must be >= 1")
-    if not 0 <= copy_fraction <= 1 - retrieval_fraction:
-        raise ValueError(f"--copy-fraction {copy_fraction} must be within [0, 1 - --retrieval-fraction]")
+    if not 0 <= lookup_fraction <= 1 - retrieval_fraction:
+        raise ValueError(f"--lookup-fraction {lookup_fraction} must be within [0, 1 - --retrieval-fraction]")
+    if not 0 <= copy_fraction <= 1 - retrieval_fraction - lookup_fraction:
+        raise ValueError(f"--copy-fraction {copy_fraction} must be within [0, 1 - --retrieval-fraction"
+                         + (" - --lookup-fraction]" if lookup_fraction else "]"))
     if not 0 <= full_fraction <= 1:
         raise ValueError(f"--full-fraction {full_fraction} must be within [0, 1]")
     if init_from is not None and cfg.max_positions:
@@ -323,16 +326,16 @@ def pretrain(cfg: PretrainConfig, corpus: Path = CORPUS_DIR, output: Path = ASSE
         build_corpus(corpus, tokenizer, context=cfg.context, seed=cfg.seed, max_blocks=max_blocks,
                      retrieval_fraction=retrieval_fraction,
                      retrieval_tasks=kinds, text_passes=text_passes, copy_fraction=copy_fraction,
-                     full_fraction=full_fraction)
+                     full_fraction=full_fraction, lookup_fraction=lookup_fraction)
     else:  # a corpus built for other settings would train, silently, on other tokens
         try:
             built = dict(json.loads((corpus / "corpus.json").read_text()))
         except (ValueError, TypeError):  # not a manifest: load_blocks says so, naming the file
             built = {}
         want = {"tokenizer": type(tokenizer).__name__, "retrieval_tasks": kinds, "copy_fraction": copy_fraction,
-                "full_fraction": full_fraction}
+                "full_fraction": full_fraction, "lookup_fraction": lookup_fraction}
         before = {"tokenizer": "ByT5Tokenizer", "retrieval_tasks": ["passkey"], "copy_fraction": 0.0,
-                  "full_fraction": 0.0}  # corpora built before these keys
+                  "full_fraction": 0.0, "lookup_fraction": 0.0}  # corpora built before these keys
         wrong = {k: built.get(k, before[k]) for k in want if built.get(k, before[k]) != want[k]}
         if wrong:
             raise ValueError(f"--corpus {corpus} was built with {wrong}, these settings need "
@@ -392,8 +395,11 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--copy-fraction", type=float, default=0.0,
                    help="when the corpus is built here: share of blocks that open with a copy document (text, then "
                         "a span of words repeated to its end: the dense signal that forms copy heads); default 0")
+    p.add_argument("--lookup-fraction", type=float, default=0.0,
+                   help="when the corpus is built here: share of blocks that open with a lookup document (needles, "
+                        "then every key asked and answered: the dense signal for matching a key); default 0")
     p.add_argument("--full-fraction", type=float, default=0.0,
-                   help="when the corpus is built here: share of retrieval and copy documents that fill their block "
+                   help="when the corpus is built here: share of retrieval, lookup and copy documents that fill their block "
                         "(needles a whole context before their question, which uniform lengths rarely draw); default 0")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's; 1 is much faster when other jobs share the cores)")
@@ -411,7 +417,7 @@ def run(args) -> int:
     cfg = PretrainConfig(**{k: v for k, v in vars(args).items() if k in keys})
     stats = pretrain(cfg, args.corpus, args.output, init_from=args.init_from, retrieval_fraction=args.retrieval_fraction,
                      max_blocks=args.max_blocks, text_passes=args.text_passes, copy_fraction=args.copy_fraction,
-                     full_fraction=args.full_fraction, overwrite=args.overwrite)
+                     full_fraction=args.full_fraction, lookup_fraction=args.lookup_fraction, overwrite=args.overwrite)
     ev = stats["evaluation"]
     print(f"{stats['tokens']} tokens, {stats['steps']} steps in {stats['train_seconds']:.0f} s; final loss "
           f"{stats['final_loss']:.3f}; val PPL@{cfg.context} {ev['val_ppl']:.3f}; passkey accuracy "

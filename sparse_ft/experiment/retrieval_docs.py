@@ -25,12 +25,15 @@ The numbers matter: a base whose spans were words only copied words and not a pa
 
 from __future__ import annotations
 
+import copy
 import math
 import random
 import re
 from collections import Counter
 from typing import Any, Iterable, Sequence
 
+from sparse_ft.evaluation.tasks.generation import Sample, split_template
+from sparse_ft.evaluation.tasks.niah import SINGULAR, TEMPLATE, Niah
 from sparse_ft.evaluation.words import EVALUATION, Words
 
 # single words and keys of each kind: RULER's pools are ~800 words and ~90k keys
@@ -92,6 +95,42 @@ def retrieval_document(task: Any, tokenizer, max_tokens: int, rng: random.Random
         raise ValueError(f"{task.name}: no prompt of it fits {max_tokens} tokens of this tokenizer; raise the context")
     answer = tokenizer(task.reference(prompt.sample), add_special_tokens=False)["input_ids"]
     return prompt.context_ids + prompt.question_ids + answer
+
+
+class Lookup(Niah):
+    """Training only, never registered: 2 to 8 needles of RULER's form (keys and values of a
+    kind drawn per document) in a haystack of a kind drawn per document, then every key asked in
+    turn in RULER's words, each question followed by its value. A RULER document trains one
+    lookup in a thousand tokens; this one trains one per needle, and most needles are not the
+    nearest: the dense signal for matching a key with the needle that holds it (a base trained on
+    RULER's documents alone answered niah_multikey_1 with a needle at random, 0.2-0.3), as copy
+    documents are the dense signal for copying."""
+
+    name = "lookup"
+    uses_essay = True  # any document may draw the essay haystack
+    min_size = 1
+
+    def __init__(self) -> None:
+        super().__init__(tokens_to_generate=1)  # nothing is generated: the document fills its length
+
+    def compose(self, rng: random.Random, size: int, *, length: int) -> Sample:
+        shape = copy.copy(self)  # this document's kinds, drawn from its own stream
+        shape.haystack = rng.choice(("noise", "needle", "essay"))
+        shape.key_type = rng.choice(("words", "words", "uuids"))
+        shape.value_type = rng.choice(("numbers", "numbers", "uuids", "words"))
+        # BPE tokens of a needle and its question: 76 with a word key and a number, a UUID key
+        # adds ~90 (it is written three times), a UUID value ~58; 150 for the template's head
+        cost = 76 + 90 * (shape.key_type == "uuids") + 58 * (shape.value_type == "uuids")
+        shape.num_keys = rng.randint(2, max(2, min(8, (length - 150) // cost)))
+        keys, values, context = shape.needles(rng, size if shape.uses_essay else max(size, shape.num_keys))
+        head, _ = split_template(TEMPLATE, context, type_needle_v=shape.value_type, query="")
+        one = shape.value_type[:-1]
+        asked = [split_template(SINGULAR, "", type_needle_v=one, query=keys[i])[1] + f" {values[i][0]}."
+                 for i in rng.sample(range(len(keys)), len(keys))]
+        return Sample(head, "".join(asked), ())
+
+    def reference(self, sample: Sample) -> str:
+        return ""  # the answers are in the questions' text
 
 
 def copy_document(tokenizer, max_tokens: int, rng: random.Random, *, words: Sequence[str],

@@ -170,3 +170,42 @@ def test_full_documents_fill_their_block(corpus, tokenizer, tmp_path):
     assert ends.count(255) == opened  # a document of 255 tokens, then EOS: the block's last token
     with pytest.raises(ValueError, match=r"^full_fraction=-0.1 must be within \[0, 1\]$"):
         build_corpus(tmp_path / "x", tokenizer, context=256, modules=MODULES, full_fraction=-0.1)
+
+
+def test_lookup_documents_ask_every_needle_and_answer_it(tmp_path):
+    """A lookup document holds 2 to 8 needles of distinct keys and asks every key once, in
+    RULER's words, each question followed by the value its needle holds: no question without
+    its needle, none unanswered; it fits its length (the whole of it when full). In a corpus
+    lookup_fraction of the blocks open with one, drawn apart from the retrieval and copy shares."""
+    import re
+
+    from sparse_ft.evaluation.words import Words
+    from sparse_ft.experiment.retrieval_docs import Lookup, retrieval_document
+    from sparse_ft.experiment.tokenizer import TOKENIZER_DIR
+    from sparse_ft.modeling.model_io import load_tokenizer
+
+    bpe = load_tokenizer(str(TOKENIZER_DIR))
+    lookup = Lookup()
+    lookup.word_lists = Words(single=tuple(f"word{i}" for i in range(20)), keys=tuple(f"red-fox{i}" for i in range(40)))
+    essay = "The cat sat on the mat. It was warm.".split() * 400
+    rng, asked, kinds = random.Random(3), [], set()
+    for index in range(12):
+        ids = retrieval_document(lookup, bpe, 1023, rng, seed=f"pretrain:0:{index}", essay=essay, full=index % 2 == 0)
+        assert len(ids) <= 1023 and (index % 2 or len(ids) >= 1015)
+        text = bpe.decode(ids)
+        needles = dict(re.findall(r"One of the special magic \w+ for (\S+) is: (\S+)\.", text))
+        answers = re.findall(r"The special magic \w+ for (\S+) mentioned in the provided text is (\S+)\.", text)
+        assert 2 <= len(answers) <= 8 and {k for k, _ in answers} == set(needles) and all(needles[k] == v for k, v in answers)
+        assert text.index("What is") > max(text.index(f"for {k} is:") for k in needles)  # questions after every needle
+        asked.append(len(answers))
+        kinds.add(re.search(r"Some special magic (\w+)", text).group(1))
+    assert len(set(asked)) > 2 and kinds == {"numbers", "uuids", "words"}
+    tokenizer = tiny_tokenizer()
+    with pytest.raises(ValueError, match=r"^lookup_fraction=0.6 must be within \[0, 1 - retrieval_fraction=0.5\]$"):
+        build_corpus(tmp_path / "x", tokenizer, context=256, retrieval_fraction=0.5, lookup_fraction=0.6, modules=MODULES)
+    with pytest.raises(ValueError, match=r"^copy_fraction=0.3 must be within \[0, 1 - retrieval_fraction=0.5 - lookup_fraction=0.3\]$"):
+        build_corpus(tmp_path / "x", tokenizer, context=256, retrieval_fraction=0.5, lookup_fraction=0.3, copy_fraction=0.3,
+                     modules=MODULES)
+    manifest = build_corpus(tmp_path, bpe, context=1024, retrieval_fraction=0.0, lookup_fraction=0.5, modules=MODULES,
+                            val_percent=_val_percent(), max_blocks=40)
+    assert 10 < manifest["lookup_blocks"] < 30 and manifest["lookup_fraction"] == 0.5

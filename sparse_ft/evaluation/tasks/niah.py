@@ -32,6 +32,8 @@ TEMPLATE = ("Some special magic {type_needle_v} are hidden within the following 
             "I will quiz you about the {type_needle_v} afterwards.\n{context}\n"
             "What are all the special magic {type_needle_v} for {query} mentioned in the provided text?"
             " The special magic {type_needle_v} for {query} mentioned in the provided text are")
+# one value asked: RULER turns the template singular
+SINGULAR = TEMPLATE.replace("Some", "A").replace("are all", "is").replace("are", "is").replace("answers", "answer")
 NEEDLE = "One of the special magic {type_needle_v} for {key} is: {value}."
 DEPTHS = [round(100 * i / 39) for i in range(40)]  # numpy.linspace(0, 100, 40), rounded: RULER's insertion depths (%)
 
@@ -83,25 +85,28 @@ class Niah(GenerationTask):
     def setup(self, tokenizer: Any, essay: Sequence[str]) -> None:
         self.essay = essay
 
-    def compose(self, rng: random.Random, size: int, *, length: int) -> Sample:
+    def needles(self, rng: random.Random, size: int) -> tuple[list[str], list[list[str]], str]:
+        """Distinct keys (an asked key has one set of values), the values of each, and the
+        haystack with the needles in it."""
         keys: list[str] = []
         values: list[list[str]] = []
         while len(keys) < max(self.num_keys, self.num_queries):
             key = draw(rng, self.key_type, self.word_lists.keys)
-            if key not in keys:  # distinct keys: an asked key has one set of values
+            if key not in keys:
                 keys.append(key)
                 values.append([draw(rng, self.value_type, self.word_lists.keys) for _ in range(self.num_values)])
         needles = [NEEDLE.format(type_needle_v=self.value_type, key=k, value=v) for k, vs in zip(keys, values) for v in vs]
         rng.shuffle(needles)
-        context = self._haystack(rng, size, needles, keys)
+        return keys, values, self._haystack(rng, size, needles, keys)
+
+    def compose(self, rng: random.Random, size: int, *, length: int) -> Sample:
+        keys, values, context = self.needles(rng, size)
         asked = rng.sample(range(len(keys)), self.num_queries)
         queries = [keys[i] for i in asked]
         query = queries[0] if len(queries) == 1 else ", ".join(queries[:-1]) + ", and " + queries[-1]
-        template, kind = TEMPLATE, self.value_type
-        if self.num_queries * self.num_values == 1:
-            template = template.replace("Some", "A").replace("are all", "is").replace("are", "is").replace("answers", "answer")
-            kind = kind[:-1]
-        head, question = split_template(template, context, type_needle_v=kind, query=query)
+        single = self.num_queries * self.num_values == 1
+        head, question = split_template(SINGULAR if single else TEMPLATE, context,
+                                        type_needle_v=self.value_type[:-1] if single else self.value_type, query=query)
         return Sample(head, question, tuple(v for i in asked for v in values[i]))
 
     def reference(self, sample: Sample) -> str:
