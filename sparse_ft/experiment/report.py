@@ -1,8 +1,10 @@
 """Tables and pictures of ``sparse-ft experiment`` results: fine-tuned rows shaped like SCCA's
 Table 2 (PPL at 1x-4x after PI + LoRA+ through each training pattern, mean and spread over
 seeds), training-free rows like DCA's Table 1 (PPL far past the pretraining length), passkey
-accuracy per length, RULER's mean per length and effective context length per row, a PPL-vs-length plot and, per
-row, a passkey heatmap (depth x length) and a RULER heatmap (task x length)."""
+accuracy per length, RULER's mean per length and effective context length per row, a "transfer to full
+attention" table (each pattern and its variants at the target: full attention against the training
+pattern, passkey, RULER, step time), a PPL-vs-length plot and, per row, a passkey heatmap (depth x
+length) and a RULER heatmap (task x length)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 from statistics import mean
+from typing import Callable, Optional
 
 from sparse_ft.evaluation.plots import plot_passkey, plot_ppl, plot_scores
 from sparse_ft.evaluation.report import write_json
@@ -23,11 +26,17 @@ def _shown(path: str) -> str:
     return str(p.relative_to(Path.cwd())) if p.is_absolute() and p.is_relative_to(Path.cwd()) else path
 
 
+def _group(row: dict) -> str:
+    """A fine-tuned row's pattern, with its variant (``s2+sinks``): its name but the seed."""
+    return f"{row['pattern']}+{row['variant']}" if row.get("variant") else row["pattern"]
+
+
 def _by_pattern(rows: list[dict]) -> dict[str, list[dict]]:
+    """The fine-tuned rows by pattern and variant (each variant after its pattern, as run)."""
     groups: dict[str, list[dict]] = defaultdict(list)
     for row in rows:
         if row["kind"] == "fine-tuned":
-            groups[row["pattern"]].append(row)
+            groups[_group(row)].append(row)
     return groups
 
 
@@ -97,6 +106,53 @@ def _spread(values: list[float], digits: int) -> str:
     return f"{mean(values):.{digits}f} ± {(max(values) - min(values)) / 2:.{digits}f}"
 
 
+def _values(group: list[dict], value: Callable[[dict], Optional[float]]) -> Optional[list[float]]:
+    """``value`` of each row of a pattern's ``group`` (its seeds); None where a seed has none
+    (a row made before that value was recorded, a length not evaluated)."""
+    values = [value(r) for r in group]
+    return None if any(v is None for v in values) else [v for v in values if v is not None]
+
+
+def _cell(values: Optional[list[float]], digits: int) -> str:
+    return "n/a" if values is None else _spread(values, digits)
+
+
+def _transfer_table(groups: dict[str, list[dict]], target: int) -> list[str]:
+    """Transfer to full attention (issue 34): per pattern and variant, PPL at the target with
+    full attention and through the training pattern, the first over full-attention
+    fine-tuning's (where ``full`` was trained), passkey's and RULER's means at the target, and
+    the training step time, a variant's over its pattern's plain row of the same seed. Mean ±
+    half-range over seeds."""
+    def at_target(r: dict) -> Optional[float]:
+        return _ppl(r).get(target)
+
+    full = _values(groups.get("full", []), at_target)
+    reference = mean(full) if full else None
+    out = [f"## Transfer to full attention: each pattern and its variants at {target}", "",
+           "PPL with full attention (how a model trained through a pattern is served) against the same model "
+           "through its training pattern (with its dense layers); "
+           + (f"\"÷ full FT\": the first over full-attention fine-tuning's ({reference:.3f}); " if reference else "")
+           + "passkey and RULER means at the same length, with full attention; step: the training step's mean "
+           "seconds, and a variant's over its pattern's plain row of the same seed.", "",
+           "| training pattern | variant | PPL full attention | PPL own pattern | " + ("÷ full FT | " if reference else "")
+           + "passkey | RULER | step s | step × plain |",
+           "|---|---|" + "---:|" * (6 + bool(reference))]
+    for group in groups.values():
+        first, ppl = group[0], _values(group, at_target)
+        cells = [_cell(ppl, 3), _cell(_values(group, lambda r: r["ppl_own_pattern"]["ppl"]), 3)]
+        if reference:
+            cells.append("n/a" if ppl is None else f"{mean(ppl) / reference:.3f}")
+        cells += [_cell(_values(group, lambda r: _passkey(r).get(target)), 2),
+                  _cell(_values(group, lambda r: _ruler(r).get(target)), 1),
+                  _cell(_values(group, lambda r: r.get("step_seconds")), 3),
+                  _cell(_values(group, lambda r: r.get("step_ratio")), 2) if first.get("variant") else "—"]
+        out.append(f"| {first['pattern']} | {first.get('variant') or '—'} | " + " | ".join(cells) + " |")
+    variants = {r["variant"]: r["overrides"] for g in groups.values() for r in g if r.get("variant")}
+    if variants:
+        out += ["", "Variants: " + "; ".join(f"{name} = {', '.join(o)}" for name, o in variants.items()) + "."]
+    return out + [""]
+
+
 def _mean_cells(rows: list[dict]) -> list[dict]:
     acc: dict[tuple, list[float]] = defaultdict(list)
     for row in rows:
@@ -133,15 +189,16 @@ def tables(results: dict) -> str:
                 "Evaluated with full attention; the column \"own pattern\" evaluates the same model at "
                 f"{target} through the pattern it was trained with.", "",
                 "| training pattern | " + " | ".join(f"PPL@{n}" for n in ppl_lengths) + f" | PPL@{target} own pattern | "
-                + " | ".join(f"passkey@{n}" for n in pk_lengths) + " | final loss | train s/run |",
-                "|---|" + "---:|" * (len(ppl_lengths) + len(pk_lengths) + 3)]
+                + " | ".join(f"passkey@{n}" for n in pk_lengths) + " | final loss | train s/run | step s |",
+                "|---|" + "---:|" * (len(ppl_lengths) + len(pk_lengths) + 4)]
         for pattern, group in groups.items():
             cells = [_spread([_ppl(r)[n] for r in group], 3) for n in ppl_lengths]
             cells.append(_spread([r["ppl_own_pattern"]["ppl"] for r in group], 3))
             cells += [_spread([_passkey(r)[n] for r in group], 2) for n in pk_lengths]
-            cells += [_spread([r["final_loss"] for r in group], 3), f"{mean(r['train_seconds'] for r in group):.0f}"]
+            cells += [_spread([r["final_loss"] for r in group], 3), f"{mean(r['train_seconds'] for r in group):.0f}",
+                      _cell(_values(group, lambda r: r.get("step_seconds")), 3)]
             out.append(f"| {pattern} | " + " | ".join(cells) + " |")
-        out.append("")
+        out += [""] + _transfer_table(groups, target)
     free = [r for r in rows if r["kind"] == "training-free"]
     if free:
         lengths = sorted({c["length"] for r in free for c in r["passkey"]})
@@ -190,7 +247,8 @@ def write_report(results: dict, out: Path) -> None:
 
 
 def draw(results: dict, out: Path) -> list[Path]:
-    """Every plot of ``results`` into ``out``: PPL vs length, a passkey heatmap per row and a
+    """Every plot of ``results`` into ``out``: PPL vs length (plain patterns and training-free
+    rows: the variants' lines would hide them), a passkey heatmap per row and a
     RULER heatmap per row measured with RULER (fine-tuned rows: the mean of their seeds). Titles
     name the base and what each row did; the tables are not touched, so plots can be redrawn
     from a finished ``results.json`` (``sparse-ft experiment --replot``)."""
@@ -201,7 +259,8 @@ def draw(results: dict, out: Path) -> list[Path]:
     drawn, series = [], []
     for pattern, group in _by_pattern(results["rows"]).items():
         lengths = sorted(_ppl(group[0]))
-        series.append((f"{pattern} (FT)", [{"length": n, "ppl": mean(_ppl(r)[n] for r in group)} for n in lengths]))
+        if not group[0].get("variant"):  # the plain patterns: their variants' PPL is in the transfer table
+            series.append((f"{pattern} (FT)", [{"length": n, "ppl": mean(_ppl(r)[n] for r in group)} for n in lengths]))
         what = f"{base} fine-tuned to {target} ({rope} + LoRA+)\nthrough {pattern}, {seeds}"
         drawn.append(plot_passkey(_mean_cells(group), out / f"passkey_ft_{pattern}.png", f"passkey, {what}"))
         if all(_ruler(r) for r in group):

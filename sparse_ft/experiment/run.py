@@ -3,7 +3,9 @@
 The tiny base model (``assets/tiny-base``, pretrained at C = 256 tokens) is extended to 4C
 with position interpolation + LoRA+ through each training pattern on an identical budget
 and several seeds (SCCA's Table 2), and measured beside the training-free methods on the
-unchanged base out to 8C (DCA's Table 1). Everything is measured the same way: full
+unchanged base out to 8C (DCA's Table 1). The full run adds, per sparse training pattern, its
+:data:`VARIANTS` (with sink tokens, as SF-Attn, with a dense last layer, with a dense tail),
+each timed against the plain pattern's row (issue 34). Everything is measured the same way: full
 attention at evaluation, standard sliding-window PPL on held-out stdlib modules, passkey
 retrieval over lengths x depths. Training and evaluation are the project's own (``train.py``'s
 loop, ``sparse_ft.evaluation``); this module only schedules them and tabulates.
@@ -30,6 +32,7 @@ from sparse_ft.experiment.pretrain import ASSET_DIR
 from sparse_ft.modeling.rope import SCALINGS
 
 if TYPE_CHECKING:
+    from attn_patterns.base import Pattern
     from sparse_ft.config import Recipe
     from sparse_ft.methods import Method
 
@@ -52,6 +55,54 @@ ABLATIONS: dict[str, dict[str, dict]] = {
 # target 4C = 1024 on the tiny base: vt (1,746 tokens with its worked example) and cwe (1,732)
 # need 2048. Every other registered RULER task runs, so every mean is over the same tasks at every length.
 RULER_TOO_LONG = ("vt", "cwe")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A variant row (issue 34: what carries training through a pattern over to full
+    attention): a trained pattern's recipe with ``overrides`` (recipe ``key=value``) on top,
+    fine-tuned on the same seeds, evaluated like the plain row, and timed against it."""
+
+    overrides: tuple[str, ...]
+    why: str
+    applies: Callable[[str, list[str]], bool]  # (a trained pattern, the run's patterns) -> it gets this row
+
+
+def _pattern(name: str) -> Optional[Pattern]:
+    """The registered pattern ``name`` at its defaults; None for a method that is no pattern
+    (``full``: no pattern for dense layers or tails to replace, no sinks to add)."""
+    from sparse_ft import methods
+
+    method = methods.get(name)
+    return method.pattern if isinstance(method, methods.PatternMethod) else None
+
+
+def _sparse(pattern: str, trained: list[str]) -> bool:
+    return _pattern(pattern) is not None
+
+
+def _without_sinks(pattern: str, trained: list[str]) -> bool:
+    found = _pattern(pattern)
+    return found is not None and not found.sink_tokens  # sf_attn has its own
+
+
+def _s2_unless_sf_attn_trained(pattern: str, trained: list[str]) -> bool:
+    return pattern == "s2" and "sf_attn" not in trained
+
+
+SINK_TOKENS = 4  # StreamingLLM's count, which SinkLoRA builds on (sf_attn's default)
+# The full run's variant rows, in the issue's order (the quick run has none): name -> overrides.
+VARIANTS: dict[str, Variant] = {
+    "sinks": Variant((f"attention.params.sink_tokens={SINK_TOKENS}",),
+                     f"every query also sees the first {SINK_TOKENS} keys (StreamingLLM's sink tokens)", _without_sinks),
+    # SF-Attn is S² reassembled, with sink tokens (sf_attn with sink_tokens=0 is s2): S²'s row, timed against it
+    "sf_attn": Variant(("attention.pattern=sf_attn",), "SinkLoRA's SF-Attn in S²'s place (one row, unless sf_attn "
+                       "is a trained pattern itself)", _s2_unless_sf_attn_trained),
+    "dense_last": Variant(("attention.dense_layers=last 1",), "the last layer attends fully, the others run the "
+                          "pattern (MoBA's hybrid layers)", _sparse),
+    "dense_tail": Variant(("train.dense_final_fraction=0.1",), "the last tenth of the steps with full attention in "
+                          "every layer (MoBA's and InfLLM-v2's switch)", _sparse),
+}
 
 
 def trained_patterns() -> list[str]:
@@ -91,6 +142,7 @@ class ExperimentConfig:
     factor: int = 4  # fine-tuning target = factor x the base's context
     rope_method: str = "linear"  # how fine-tuning extends RoPE: PI (the papers'), or dynamic NTK / YaRN
     patterns: list[str] = field(default_factory=trained_patterns)
+    variants: list[str] = field(default_factory=lambda: list(VARIANTS))  # per pattern, where one applies
     seeds: list[int] = field(default_factory=lambda: [0, 1])
     steps: int = 1000
     ppl_factors: list[int] = field(default_factory=lambda: [1, 2, 4])
@@ -115,6 +167,9 @@ class ExperimentConfig:
         for p in self.patterns:
             if p not in trainable:
                 raise ValueError(f"--patterns {p!r} is unknown; allowed: {', '.join(trainable)}")
+        for v in self.variants:
+            if v not in VARIANTS:
+                raise ValueError(f"--variants {v!r} is unknown; allowed: {', '.join(VARIANTS)}")
         rows = free_methods()
         for m in self.free_methods:
             if m not in rows:
@@ -138,9 +193,10 @@ class ExperimentConfig:
 
 # no RULER: its 128-token answers at 1024 and 2048 tokens alone would take longer than the rest
 # one seed: the README's main command stays within 3 minutes on 2 idle cores (two seeds took 3.4)
+# no variant rows: each would be one more fine-tuning per pattern and seed
 QUICK = dict(output="results/experiment-quick", runs="runs/experiment-quick", steps=100, seeds=[0], ppl_windows=4,
              passkey_trials=2, passkey_depths=[0.0, 0.5, 1.0], passkey_factors=[1, 2, 4], free_factors=[1, 2, 4, 8],
-             ruler_tasks=[])
+             ruler_tasks=[], variants=[])
 
 
 def portable(value: Any) -> Any:
@@ -185,6 +241,17 @@ def training_pattern(recipe: Recipe) -> Method:
     att = recipe.attention
     method = methods.get(att.pattern, "attention.pattern", **att.params)
     return methods.with_dense_layers(method, att.dense_layers) if att.dense_layers else method
+
+
+def step_seconds(summary: dict, recipe: Recipe) -> float:
+    """A run's mean seconds per training step, from the trainer's per-step log (tokens per step
+    / tokens per second), the first step left out where there are others: it carries one-off
+    costs (the attention check, first allocations). A dense tail's steps count: they are the
+    run's cost."""
+    t = recipe.train
+    tokens = t.per_device_batch_size * recipe.seq_len * t.gradient_accumulation_steps  # one process
+    steps = summary["history"][1:] or summary["history"]
+    return sum(tokens / h["tokens_per_s"] for h in steps) / len(steps)
 
 
 def _ppl(val, lengths: list[int], context: int, cfg: ExperimentConfig):
@@ -251,7 +318,8 @@ class Runner:
         build_train_dataset(self._recipe("full", 0).data, tokenizer, self.target)
         return load_tokens(str(directory / "val.bin"), tokenizer, len(tokenizer))
 
-    def _recipe(self, pattern: str, seed: int, output_dir: str = "runs/experiment"):
+    def _recipe(self, pattern: str, seed: int, output_dir: str = "runs/experiment", variant: Optional[str] = None):
+        """The recipe of ``pattern``'s row for ``seed``, with ``variant``'s overrides on top."""
         from sparse_ft.config import load_recipe
 
         overrides = [f"model.name_or_path={self.cfg.base}", f"model.target_length={self.target}",
@@ -259,7 +327,7 @@ class Runner:
                      f"train.max_steps={self.cfg.steps}", f"model.rope_method={self.cfg.rope_method}"]
         if self.jsonl is not None:
             overrides.append(f"data.source={self.jsonl}")
-        return load_recipe(self.cfg.recipe, overrides)
+        return load_recipe(self.cfg.recipe, overrides + list(VARIANTS[variant].overrides if variant else ()))
 
     def _train(self, recipe, run_dir: Path) -> tuple[dict, float]:
         """Train, or reuse the adapter that a run of this exact recipe left: a change to the
@@ -287,14 +355,16 @@ class Runner:
         write_json(stamp, {"key": key, "train_seconds": seconds, "summary": summary})
         return summary, seconds
 
-    def fine_tuned(self, pattern: str, seed: int, val) -> dict:
+    def fine_tuned(self, pattern: str, seed: int, val, variant: Optional[str] = None) -> dict:
+        """The row of ``pattern`` fine-tuned on ``seed``, plain or as ``variant`` (a name of
+        :data:`VARIANTS`; the row then names it and its overrides)."""
         from sparse_ft import methods
         from sparse_ft.evaluation import loading
 
-        name = f"{pattern}-seed{seed}"
+        name = f"{pattern}{f'+{variant}' if variant else ''}-seed{seed}"
         run_dir = Path(self.cfg.runs) / name
-        recipe = self._recipe(pattern, seed, str(run_dir))
-        key = self._fine_tuned_key(recipe)
+        recipe = self._recipe(pattern, seed, str(run_dir), variant)
+        key = self._fine_tuned_key(recipe, variant)
         if (row := self._cached(name, key)) is not None:
             def adapter():  # reused: only RULER may be missing
                 return self._train(recipe, run_dir)[0]["adapter"]
@@ -311,7 +381,9 @@ class Runner:
         # longer context" from "carries over to full attention", which the papers assume
         own = _ppl(val, [self.target], self.context, self.cfg).evaluate(model, tokenizer, training_pattern(recipe))[0]
         row = {"name": name, "kind": "fine-tuned", "pattern": pattern, "seed": seed, "key": key,
-               "train_seconds": train_seconds, "eval_seconds": time.perf_counter() - began,
+               **({"variant": variant, "overrides": list(VARIANTS[variant].overrides)} if variant else {}),
+               "train_seconds": train_seconds, "step_seconds": step_seconds(summary, recipe),
+               "eval_seconds": time.perf_counter() - began,
                "final_loss": summary["final_loss"], "loss_curve": [h["loss"] for h in summary["history"]],
                "ppl_own_pattern": own, **result}
         return self._with_ruler(self._write(row), lambda: (model, tokenizer), methods.get("full"))
@@ -377,9 +449,24 @@ class Runner:
         measured, note = self.ruler_base
         return measured, None if measured is not None else note
 
-    def _fine_tuned_key(self, recipe) -> str:
-        # "ppl_own_pattern": rows written before that column existed are re-evaluated
-        return _row_key("fine-tuned", {"recipe": recipe.to_dict(), **self._eval_settings(), "ppl_own_pattern": True})
+    def _fine_tuned_key(self, recipe, variant: Optional[str] = None) -> str:
+        # "ppl_own_pattern": rows written before that column existed are re-evaluated; rows
+        # written before "step_seconds" are kept (a committed result stays unchanged: their
+        # variants' step_ratio reads n/a); a variant's overrides are named too
+        named = {"variant": list(VARIANTS[variant].overrides)} if variant else {}
+        return _row_key("fine-tuned", {"recipe": recipe.to_dict(), **self._eval_settings(), "ppl_own_pattern": True,
+                                       **named})
+
+    def variants(self, pattern: str) -> list[str]:
+        """The variant rows ``pattern`` gets: those of ``variants`` that apply to it."""
+        return [v for v in self.cfg.variants if VARIANTS[v].applies(pattern, self.cfg.patterns)]
+
+    def _relative(self, row: dict, plain: dict) -> dict:
+        """``row`` (a variant's) with its step time over the plain row's of its pattern and seed,
+        written when it changed (a plain row made again since); None beside a plain row written
+        before step times were recorded."""
+        ratio = row["step_seconds"] / plain["step_seconds"] if plain.get("step_seconds") else None
+        return row if row.get("step_ratio") == ratio else self._write({**row, "step_ratio": ratio})
 
     def _free_key(self, method) -> str:
         # keyed on every parameter, defaults included: a changed default is a new row, not a stale one
@@ -396,9 +483,15 @@ class Runner:
         val = self.data()
         rows = []
         for pattern in self.cfg.patterns:
+            plain: dict[int, dict] = {}  # seed -> the plain row
             for seed in self.cfg.seeds:
                 with console.row(f"{pattern}-seed{seed}"):  # every progress bar names the row it runs for
-                    rows.append(self.fine_tuned(pattern, seed, val))
+                    plain[seed] = self.fine_tuned(pattern, seed, val)
+                rows.append(plain[seed])
+            for variant in self.variants(pattern):  # beside their pattern, timed against its row of their seed
+                for seed in self.cfg.seeds:
+                    with console.row(f"{pattern}+{variant}-seed{seed}"):
+                        rows.append(self._relative(self.fine_tuned(pattern, seed, val, variant), plain[seed]))
         for label in self.cfg.free_methods:
             with console.row(label):
                 rows.append(self.training_free(label, val))
@@ -453,6 +546,10 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "<output>-<method> and <runs>-<method> unless --output/--runs are given")
     p.add_argument("--patterns", type=_list(str), default=None,
                    help="trained patterns (default: full, then SCCA's Table 2: the patterns tagged scca_table2)")
+    variants = "; ".join(f"{name}: {v.why} ({', '.join(v.overrides)})" for name, v in VARIANTS.items())
+    p.add_argument("--variants", type=_list(str), default=None,
+                   help=f"variant rows of every trained pattern they apply to (default {','.join(VARIANTS)}; none with "
+                        f"--quick or --variants ''): {variants}")
     p.add_argument("--seeds", type=_list(int), default=None, help="fine-tuning seeds (default 0,1)")
     p.add_argument("--steps", type=int, default=None, help=f"fine-tuning steps per run (default {d.steps})")
     p.add_argument("--free-methods", type=_list(str), default=None,
@@ -469,7 +566,7 @@ def config_from_args(args) -> ExperimentConfig:
         cfg = replace(cfg, **QUICK)
     if cfg.rope_method != "linear":  # never overwrite the PI results
         cfg = replace(cfg, output=f"{cfg.output}-{cfg.rope_method}", runs=f"{cfg.runs}-{cfg.rope_method}")
-    for key in ("output", "runs", "patterns", "seeds", "steps", "free_methods"):
+    for key in ("output", "runs", "patterns", "variants", "seeds", "steps", "free_methods"):
         if getattr(args, key) is not None:
             cfg = replace(cfg, **{key: getattr(args, key)})
     return cfg

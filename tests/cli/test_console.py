@@ -115,11 +115,13 @@ def test_the_experiment_runs_each_row_inside_its_label(monkeypatch, tmp_path):
     from sparse_ft.experiment.run import ExperimentConfig, Runner
 
     runner = Runner.__new__(Runner)  # the schedule only: no base, no data
-    runner.cfg = ExperimentConfig(patterns=["s2"], seeds=[0, 1], free_methods=["vanilla"])
+    runner.cfg = ExperimentConfig(patterns=["s2"], variants=["dense_tail"], seeds=[0, 1], free_methods=["vanilla"])
     runner.out, runner.context, runner.target = tmp_path, 256, 1024
     runner.data = lambda: None
-    runner.fine_tuned = lambda pattern, seed, val: {"bar": console.bar_label("train"), "eval_seconds": 0.0}
+    runner.fine_tuned = lambda pattern, seed, val, variant=None: {"name": f"{pattern}{variant}{seed}", "step_seconds": 1.0,
+                                                                  "bar": console.bar_label("train"), "eval_seconds": 0.0}
     runner.training_free = lambda label, val: {"bar": console.bar_label("ppl"), "eval_seconds": 0.0}
     monkeypatch.setattr(report, "write_report", lambda results, out: None)
     rows = runner.run()["rows"]
-    assert [r["bar"] for r in rows] == ["s2-seed0: train", "s2-seed1: train", "vanilla: ppl"]
+    assert [r["bar"] for r in rows] == ["s2-seed0: train", "s2-seed1: train", "s2+dense_tail-seed0: train",
+                                        "s2+dense_tail-seed1: train", "vanilla: ppl"]

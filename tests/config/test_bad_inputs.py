@@ -901,6 +901,9 @@ CLI_CASES = {
         r"train.bin holds 0 bytes, not whole blocks of 256 uint16 tokens"),
     "experiment output that is a file": (
         ["experiment", "--quick", "--output", "TEXT", "--runs", "OUT/r"], None, r"--output .*/t.txt: .*/t.txt is a file; name a directory"),
+    "experiment with an unknown variant": (
+        ["experiment", "--quick", "--variants", "sinks,dense", "--output", "OUT/e", "--runs", "OUT/r"], None,
+        r"--variants 'dense' is unknown; allowed: sinks, sf_attn, dense_last, dense_tail$"),
     "bench attention on CUDA without CUDA": (
         ["bench", "attention", *BENCH, "--device", "cuda"], None,
         r"bench attention: --device 'cuda': torch sees no CUDA device here; use cpu \(or omit --device\)"),

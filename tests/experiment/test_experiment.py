@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from sparse_ft.experiment.run import QUICK, ExperimentConfig, Runner, config_from_args
+from sparse_ft.experiment.run import QUICK, VARIANTS, ExperimentConfig, Runner, config_from_args
 from sparse_ft.modeling.model_io import materialize_tiny
 
 MODULES = ["heapq", "textwrap", "bisect", "queue", "string", "fractions"]
@@ -18,7 +18,8 @@ MODULES = ["heapq", "textwrap", "bisect", "queue", "string", "fractions"]
 def experiment(tmp_path_factory):
     root = tmp_path_factory.mktemp("experiment")
     base = materialize_tiny(root / "base", 0, hidden_size=32, intermediate_size=64, num_hidden_layers=1)
-    cfg = ExperimentConfig(base=str(base), output=str(root / "out"), runs=str(root / "runs"), patterns=["s2"], seeds=[0, 1], steps=2,
+    cfg = ExperimentConfig(base=str(base), output=str(root / "out"), runs=str(root / "runs"), patterns=["s2"], variants=[],
+                           seeds=[0, 1], steps=2,
                            ppl_factors=[1, 2], passkey_factors=[1, 2], free_methods=["vanilla", "pi", "dca_intra", "parallelcomp"],
                            free_factors=[1, 2], ppl_windows=1, passkey_trials=1, passkey_depths=[0.5],
                            data=str(root / "data"), modules=MODULES, val_percent=50,
@@ -133,14 +134,16 @@ def test_row_keys_are_the_same_in_every_clone(tmp_path, monkeypatch):
         runner.jsonl = Path(cfg.data) / "ctx1024-0123456789abcdef" / "train.jsonl"  # where data() puts it
         recipe = runner._recipe("s2", 0, f"{cfg.runs}/s2-seed0")
         assert recipe.data.source.startswith(str(root)) and recipe.model.name_or_path.startswith(str(root))
-        return runner._fine_tuned_key(recipe), runner._free_key(methods.get("dca")), run.portable(asdict(cfg))
+        variant = runner._fine_tuned_key(runner._recipe("s2", 0, f"{cfg.runs}/s2+sinks-seed0", "sinks"), "sinks")
+        return runner._fine_tuned_key(recipe), runner._free_key(methods.get("dca")), run.portable(asdict(cfg)), variant
 
     one = keys(tmp_path / "one")
     assert keys(tmp_path / "elsewhere" / "two") == one
     assert one[2]["base"] == "assets/tiny-base" and one[2]["recipe"] == "recipes/experiment/tiny_4x.yaml"
     weights = tmp_path / "one" / "assets" / "tiny-base" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-1] + b"\x01")  # a re-pretrained base: both rows are stale
-    assert all(a != b for a, b in zip(keys(tmp_path / "one")[:2], one[:2]))
+    again = keys(tmp_path / "one")
+    assert all(again[i] != one[i] for i in (0, 1, 3))
     monkeypatch.setattr(run, "REPO_ROOT", tmp_path / "one")
     assert run.portable(["/elsewhere/base", "assets/x", ("linear", 4)]) == ["/elsewhere/base", "assets/x", ["linear", 4]]
 
@@ -160,13 +163,18 @@ def test_quick_flag_and_bad_names(experiment, tmp_path):
 
     cfg, _ = experiment
     args = argparse.Namespace(base=cfg.base, output=None, runs=None, recipe=cfg.recipe, quick=True, patterns=None,
-                              seeds=None, steps=None, free_methods=None, rope_method="linear")
+                              variants=None, seeds=None, steps=None, free_methods=None, rope_method="linear")
     quick = config_from_args(args)
     assert quick.steps == QUICK["steps"] and quick.output == QUICK["output"] and quick.seeds == [0]
+    assert quick.variants == [] and config_from_args(argparse.Namespace(**(vars(args) | {"quick": False}))).variants == list(VARIANTS)
+    chosen = config_from_args(argparse.Namespace(**(vars(args) | {"variants": ["dense_tail"]})))
+    assert chosen.variants == ["dense_tail"] and chosen.steps == QUICK["steps"]
     yarn = config_from_args(argparse.Namespace(**(vars(args) | {"rope_method": "yarn"})))
     assert yarn.output == QUICK["output"] + "-yarn" and yarn.runs == QUICK["runs"] + "-yarn"  # PI results kept
     with pytest.raises(ValueError, match="'s3'"):
         ExperimentConfig(base=cfg.base, patterns=["s3"]).validate()
+    with pytest.raises(ValueError, match="--variants 'sink' is unknown; allowed: sinks, sf_attn, dense_last, dense_tail$"):
+        ExperimentConfig(base=cfg.base, variants=["sink"]).validate()
     with pytest.raises(ValueError, match="ruler_tasks 'niah'"):
         ExperimentConfig(base=cfg.base, ruler_tasks=["niah"]).validate()
     with pytest.raises(FileNotFoundError, match="--base"):
@@ -252,3 +260,114 @@ def test_a_method_that_cannot_take_rulers_prompts_is_reported_not_run(experiment
     assert "summary" in rows[0]["ruler"] and "must fit pretraining_length=256" in rows[1]["ruler"]["not_run"]
     tables = (tmp_path / "out" / "tables.md").read_text()
     assert "| parallelcomp | — | n/a | n/a |" in tables and "parallelcomp: not run: parallelcomp: chunk_size=200" in tables
+
+
+def test_variant_rows_get_their_overrides_and_keys_of_their_own(tmp_path):
+    """Each variant is its pattern's recipe with its overrides alone (sinks where the pattern has
+    none, SF-Attn once, in S²'s place, unless trained itself; nothing for full attention), keyed
+    apart from the plain row, whose key names no variant; the quick run has no variant rows."""
+    from sparse_ft.config.paths import REPO_ROOT
+    from sparse_ft.experiment.run import _row_key
+
+    base = str(REPO_ROOT / "assets" / "tiny-base")
+    runner = Runner(ExperimentConfig(base=base, output=str(tmp_path / "out"), runs=str(tmp_path / "runs")))
+    assert runner.variants("full") == [] and runner.variants("s2") == list(VARIANTS) == runner.cfg.variants
+    assert runner.variants("scca_flow") == ["sinks", "dense_last", "dense_tail"]
+    plain = runner._recipe("s2", 0, "r")
+    recipes = {v: runner._recipe("s2", 0, "r", v) for v in VARIANTS}
+    assert recipes["sinks"].attention.params == {"sink_tokens": 4}
+    assert recipes["sf_attn"].attention.pattern == "sf_attn" and recipes["sf_attn"].attention.params == {}
+    assert recipes["dense_last"].attention.dense_layers == "last 1"
+    assert recipes["dense_tail"].train.dense_final_fraction == 0.1
+    for v, recipe in recipes.items():  # the overrides and nothing else
+        changed = {k: (a, b) for k, a, b in _flat(plain.to_dict(), recipe.to_dict()) if a != b}
+        assert len(changed) == 1 and list(changed) == [VARIANTS[v].overrides[0].split("=")[0]], (v, changed)
+    keys = [runner._fine_tuned_key(plain)] + [runner._fine_tuned_key(r, v) for v, r in recipes.items()]
+    assert len(set(keys)) == len(keys)
+    # no variant named, and the key of before step times: committed rows stay valid
+    assert keys[0] == _row_key("fine-tuned", {"recipe": plain.to_dict(), **runner._eval_settings(), "ppl_own_pattern": True})
+    where = {"output": str(tmp_path / "out"), "runs": str(tmp_path / "runs")}
+    with_sf = Runner(ExperimentConfig(base=base, patterns=["s2", "sf_attn"], **where))
+    assert with_sf.variants("s2") == ["sinks", "dense_last", "dense_tail"] and with_sf.variants("sf_attn") == ["dense_last", "dense_tail"]
+    quick = Runner(ExperimentConfig(**{**asdict(runner.cfg), **QUICK, **where}))
+    assert all(quick.variants(p) == [] for p in quick.cfg.patterns) and quick.cfg.patterns == runner.cfg.patterns
+
+
+def _flat(a: dict, b: dict, prefix: str = ""):
+    """(dotted key, a's value, b's value) for every leaf of two recipe dicts."""
+    for k in a.keys() | b.keys():
+        x, y = a.get(k), b.get(k)
+        if isinstance(x, dict) and isinstance(y, dict) and (x or y) and k != "params":
+            yield from _flat(x, y, f"{prefix}{k}.")
+        elif k == "params":
+            yield from ((f"{prefix}params.{p}", x.get(p), y.get(p)) for p in x.keys() | y.keys())
+        else:
+            yield f"{prefix}{k}", x, y
+
+
+def test_a_variant_row_is_trained_evaluated_and_timed_against_its_pattern(experiment, tmp_path):
+    """A variant row trains on the plain row's seed, is evaluated with full attention and through
+    its own pattern, and records its step time over the plain row's; the tables show it beside
+    its pattern and in the transfer table."""
+    cfg, results = experiment
+    again = ExperimentConfig(**{**cfg.__dict__, "output": str(tmp_path / "out"), "seeds": [0], "variants": ["sinks"],
+                                "free_methods": [], "ruler_tasks": []})
+    plain, row = Runner(again).run()["rows"]
+    assert [plain["name"], row["name"]] == ["s2-seed0", "s2+sinks-seed0"]
+    assert row["variant"] == "sinks" and row["overrides"] == ["attention.params.sink_tokens=4"] and row["key"] != plain["key"]
+    assert [r["length"] for r in row["ppl"]] == [256, 512] and row["ppl_own_pattern"]["length"] == 1024
+    assert row["step_seconds"] > 0 and row["step_ratio"] == row["step_seconds"] / plain["step_seconds"]
+    adapter = json.loads((Path(cfg.runs) / "s2+sinks-seed0" / "adapter" / "sparse_ft.json").read_text())
+    assert adapter["train_attention"] == {"pattern": "s2", "sink_tokens": 4}
+    tables = (tmp_path / "out" / "tables.md").read_text()
+    assert "| s2+sinks | " in tables and "## Transfer to full attention" in tables and "| s2 | sinks | " in tables
+
+
+def _synthetic(pattern: str, seed: int, ppl: float, own: float, step: float, variant=None, ratio=None, ruler=None) -> dict:
+    row = {"name": f"{pattern}{'+' + variant if variant else ''}-seed{seed}", "kind": "fine-tuned", "pattern": pattern,
+           "seed": seed, "ppl": [{"length": 256, "ppl": 3.0}, {"length": 1024, "ppl": ppl}],
+           "passkey": [{"length": 1024, "depth": d, "accuracy": a} for d, a in ((0.0, 1.0), (1.0, 0.5))],
+           "ppl_own_pattern": {"length": 1024, "ppl": own}, "final_loss": 1.0, "train_seconds": 10.0}
+    if step is not None:
+        row["step_seconds"] = step
+    if variant:
+        row.update(variant=variant, overrides=list(VARIANTS[variant].overrides), step_ratio=ratio)
+    if ruler is not None:
+        row["ruler"] = {"summary": {"means": [{"length": 1024, "mean": ruler}]}}
+    return row
+
+
+def test_the_transfer_table_is_built_from_the_rows():
+    """Per pattern and variant: PPL at the target with full attention and through the pattern,
+    over full fine-tuning's, passkey and RULER means, step time and its ratio, each mean ±
+    half-range over seeds, and n/a where a row lacks the value (made before it was recorded)."""
+    from sparse_ft.experiment.report import _by_pattern, _transfer_table, tables
+
+    rows = [_synthetic("full", 0, 4.0, 4.0, 0.2, ruler=50.0), _synthetic("full", 1, 4.2, 4.2, 0.2, ruler=60.0),
+            _synthetic("s2", 0, 8.0, 4.1, 0.1, ruler=20.0), _synthetic("s2", 1, 9.0, 4.3, None, ruler=30.0),
+            _synthetic("s2", 0, 4.5, 4.4, 0.12, "dense_tail", 1.2, ruler=40.0),
+            _synthetic("s2", 1, 4.7, 4.6, 0.13, "dense_tail", None, ruler=44.0)]
+    assert _transfer_table(_by_pattern(rows), 1024) == [
+        "## Transfer to full attention: each pattern and its variants at 1024", "",
+        "PPL with full attention (how a model trained through a pattern is served) against the same model through its "
+        "training pattern (with its dense layers); \"÷ full FT\": the first over full-attention fine-tuning's (4.100); "
+        "passkey and RULER means at the same length, with full attention; step: the training step's mean seconds, and a "
+        "variant's over its pattern's plain row of the same seed.", "",
+        "| training pattern | variant | PPL full attention | PPL own pattern | ÷ full FT | passkey | RULER | step s | step × plain |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| full | — | 4.100 ± 0.100 | 4.100 ± 0.100 | 1.000 | 0.75 ± 0.00 | 55.0 ± 5.0 | 0.200 ± 0.000 | — |",
+        "| s2 | — | 8.500 ± 0.500 | 4.200 ± 0.100 | 2.073 | 0.75 ± 0.00 | 25.0 ± 5.0 | n/a | — |",
+        "| s2 | dense_tail | 4.600 ± 0.100 | 4.500 ± 0.100 | 1.122 | 0.75 ± 0.00 | 42.0 ± 2.0 | 0.125 ± 0.005 | n/a |",
+        "", "Variants: dense_tail = train.dense_final_fraction=0.1.", ""]
+    one_seed = [r for r in rows if r["seed"] == 0 and r["pattern"] == "s2"]
+    assert _transfer_table(_by_pattern(one_seed), 1024)[6:9] == [
+        "| s2 | — | 8.000 | 4.100 | 0.75 | 20.0 | 0.100 | — |",
+        "| s2 | dense_tail | 4.500 | 4.400 | 0.75 | 40.0 | 0.120 | 1.20 |", ""]
+    for row in rows:
+        del row["ruler"]
+    results = {"rows": rows, "context": 256, "target": 1024, "row_seconds": 60.0, "wall_seconds": 60.0,
+               "config": {"base": "assets/tiny-base", "steps": 2, "seeds": [0, 1], "ppl_windows": 1, "passkey_trials": 1,
+                          "passkey_depths": [0.0, 1.0], "rope_method": "linear"}}
+    text = tables(results)
+    assert "| s2+dense_tail | 3.000 ± 0.000 | 4.600 ± 0.100 | 4.500 ± 0.100 | 0.75 ± 0.00 | 1.000 ± 0.000 | 10 | 0.125 ± 0.005 |" in text
+    assert "| s2 | dense_tail | 4.600 ± 0.100 | 4.500 ± 0.100 | 1.122 | 0.75 ± 0.00 | n/a | 0.125 ± 0.005 | n/a |" in text
