@@ -254,7 +254,11 @@ def run_task(args) -> int:
     task.prepare(tokenizer)
     # the dense layers' range is checked against the config, named by the flag, before the weights
     # load, beside the pattern's own check; the pattern is wrapped after (their causal takes any config)
-    model, _ = load_model(args, method, tokenizer=False, check_config=dense_layers_range(args))
+    def check_config(config: Any) -> None:
+        dense_layers_range(args)(config)
+        task.check_model(config)
+
+    model, _ = load_model(args, method, tokenizer=False, check_config=check_config)
     if dense is not None:
         method = methods.with_dense_layers(method, dense)
     FirstForwardCheck(model, when=f"--method {args.method}")  # the method asked for is the one that runs

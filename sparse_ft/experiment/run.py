@@ -261,15 +261,31 @@ def _ppl(val, lengths: list[int], context: int, cfg: ExperimentConfig):
     return tasks.get("ppl", lengths=lengths, data=val, stride=context, max_windows=cfg.ppl_windows)
 
 
+def base_context(base: str) -> int:
+    """C, the base's pretraining context, as its config.json states it: transformers fills a
+    missing ``max_position_embeddings`` with its class's default (2,048 for Llama), which would
+    set every length of the experiment, silently."""
+    from transformers import AutoConfig
+
+    from sparse_ft.modeling.rope import original_context
+
+    try:
+        stated = json.loads((Path(base) / "config.json").read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"--base {base}: no readable config.json ({err})") from None
+    rope = stated.get("rope_parameters") or stated.get("rope_scaling") or {}
+    if "max_position_embeddings" not in stated and "original_max_position_embeddings" not in rope:
+        raise ValueError(f"--base {base}: its config.json has no max_position_embeddings, so the base's context, from "
+                         "which every length of the experiment derives, is unknown; add it")
+    return original_context(AutoConfig.from_pretrained(base))
+
+
 class Runner:
     def __init__(self, cfg: ExperimentConfig) -> None:
-        from transformers import AutoConfig
-
-        from sparse_ft.modeling.rope import original_context
-
         from sparse_ft.files.outputs import check_apart, claim_directory
 
         cfg.validate()
+        self.context = base_context(cfg.base)  # before anything is written
         self.cfg = cfg
         self.out = Path(cfg.output)
         for flag, output in (("--output", self.out), ("--runs", Path(cfg.runs))):
@@ -277,7 +293,6 @@ class Runner:
         # results written before folders were marked have their rows
         claim_directory(self.out, WRITER, "--output", legacy=lambda found: (found / "rows").is_dir())
         (self.out / "rows").mkdir(exist_ok=True)
-        self.context = original_context(AutoConfig.from_pretrained(cfg.base))
         self.target = self.context * cfg.factor
         self.jsonl: Optional[Path] = None  # the fine-tuning documents, once data() built them
         self.ruler_base: Optional[tuple[Optional[dict], str]] = None  # (measurement, why none), once measured

@@ -73,9 +73,14 @@ def rope_parameters(config: Any) -> dict[str, Any]:
 
 
 def original_context(config: Any) -> int:
-    """Pretraining context before any RoPE scaling."""
+    """Pretraining context before any RoPE scaling; a config that says none is refused (every
+    length the evaluation and the extension methods derive, C and its multiples, starts here)."""
     params = rope_parameters(config)
-    return int(params.get("original_max_position_embeddings") or config.max_position_embeddings)
+    known = params.get("original_max_position_embeddings") or getattr(config, "max_position_embeddings", None)
+    if not known:
+        raise ValueError(f"the model's config ({type(config).__name__}) has no max_position_embeddings: its pretraining "
+                         "context is unknown; set max_position_embeddings in its config.json")
+    return int(known)
 
 
 def context_length(config: Any) -> int:

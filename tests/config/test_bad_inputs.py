@@ -901,6 +901,10 @@ CLI_CASES = {
         r"train.bin holds 0 bytes, not whole blocks of 256 uint16 tokens"),
     "experiment output that is a file": (
         ["experiment", "--quick", "--output", "TEXT", "--runs", "OUT/r"], None, r"--output .*/t.txt: .*/t.txt is a file; name a directory"),
+    "experiment on a base whose config does not state its context": (
+        ["experiment", "--quick", "--base", "DATA", "--output", "OUT/e", "--runs", "OUT/r"],
+        base_copy(lambda config: config.pop("max_position_embeddings")),
+        r"--base .*/b: its config.json has no max_position_embeddings, so the base's context, from which every length"),
     "experiment with an unknown variant": (
         ["experiment", "--quick", "--variants", "sinks,dense", "--output", "OUT/e", "--runs", "OUT/r"], None,
         r"--variants 'dense' is unknown; allowed: sinks, sf_attn, dense_last, dense_tail$"),

@@ -242,3 +242,29 @@ def test_bad_inputs_are_one_line_before_the_weights_load(base_1024, tmp_path, ca
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and message in err and "weights load" not in err, (argv, err)
     assert (tmp_path / "theirs.md").read_text() == "mine" and not (tmp_path / "theirs.json").exists()
+
+
+def test_a_tokenizer_that_cannot_encode_a_prompt_and_a_base_of_unknown_context_are_refused():
+    """A prompt holding the tokenizer's unknown token (a needle lost) is refused naming the task
+    and the length; a config without a pretraining context is refused before the weights load."""
+    from types import SimpleNamespace
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from sparse_ft.evaluation.names import BadParameter
+    from sparse_ft.evaluation.tasks import TASKS
+    from sparse_ft.modeling.rope import original_context
+
+    words = Tokenizer(models.WordLevel({"[UNK]": 0, "The": 1, "grass": 2, "is": 3, "green.": 4}, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]")
+    task = TASKS.get("niah_single_1")
+    task.setup(tokenizer, ())
+    with pytest.raises(BadParameter, match=r"^niah_single_1 at --lengths 400: this tokenizer cannot encode the prompt's text "
+                                           r"\(\d+ unknown tokens, the first in '.*'\); use a tokenizer that encodes every"):
+        task.fit(tokenizer, 400, seed="0")
+    with pytest.raises(ValueError, match=r"^the model's config \(SimpleNamespace\) has no max_position_embeddings: its "
+                                         r"pretraining context is unknown"):
+        TASKS.factory("ruler")([1024], ["niah_single_1"]).check_model(SimpleNamespace())
+    assert original_context(SimpleNamespace(max_position_embeddings=256)) == 256

@@ -57,6 +57,9 @@ class Task:
     def check_method(self, method: Any) -> None:
         """Refuse a method this task cannot run through, before the model loads."""
 
+    def check_model(self, config: Any) -> None:
+        """Refuse a model this task cannot measure, from its config, before the weights load."""
+
     def needs_tokenizer(self) -> bool:
         return True
 

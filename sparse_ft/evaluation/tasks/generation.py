@@ -113,6 +113,17 @@ def largest_fitting(fits: Callable[[int], bool], low: int, high: int, hint: int)
     return good
 
 
+def _check_encoded(tokenizer: Any, ids: list[int], what: str) -> None:
+    """A prompt with the tokenizer's unknown token asks the model about text it cannot see (a
+    needle's key or value lost): refused, naming the first such place."""
+    unknown = getattr(tokenizer, "unk_token_id", None)
+    if unknown is not None and unknown in ids:
+        at = ids.index(unknown)
+        raise BadParameter(f"{what}: this tokenizer cannot encode the prompt's text ({ids.count(unknown)} unknown tokens, "
+                           f"the first in {tokenizer.decode(ids[max(0, at - 6):at + 6])!r}); use a tokenizer that "
+                           "encodes every character (a byte-level one)")
+
+
 class TooShort(BadParameter):
     """A length below a task's shortest prompt (with the smallest haystack and its budget)."""
 
@@ -195,7 +206,9 @@ class GenerationTask(Task):
         if size == self.max_size:
             raise BadParameter(f"{names.entry('lengths', length)} is longer than {self.name} can fill: its {size} {self.unit} "
                                f"make prompts of at most {tokens[size] + self.tokens_to_generate} tokens of this tokenizer")
-        return build(size)
+        prompt = build(size)
+        _check_encoded(tokenizer, prompt.context_ids + prompt.question_ids, f"{self.name} at {names.entry('lengths', length)}")
+        return prompt
 
     def reference(self, sample: Sample) -> str:
         """The answer as the prompt's own example writes it after the answer prefix: what a

@@ -175,6 +175,14 @@ class Ruler(Task):
         return {"--haystack": self.haystack, "--reference": self.base and self.base.get("file")}
 
     # --- prompts, before the weights load ------------------------------------------------------
+    def check_model(self, config: Any) -> None:
+        """The relative effective length is measured against the base at its pretraining
+        length: a config that does not say it is refused, unless ``--reference`` gives the base."""
+        from sparse_ft.modeling.rope import original_context
+
+        if self.measure:
+            original_context(config)
+
     def prepare(self, tokenizer: Any) -> None:
         """Every prompt, fitted: a length too short for a task fails here, not after the weights load."""
         from tqdm import tqdm
