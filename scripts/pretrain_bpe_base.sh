@@ -15,8 +15,8 @@
 #    RULER's 11 offline tasks) and 30 % with a copy document, three quarters of these filling the
 #    whole block (needles ~1,000 tokens before their question, which uniform lengths rarely draw),
 #    the text laid out three times so that no block is read twice, cosine lr from 1e-3, 1,800 x 4.
-#    It replaced two phases (retrieval at 10,000, then reach at 500,000) at the same result in
-#    half their steps (docs/experiment.md).
+#    It replaced two phases (retrieval at 10,000, then reach at 500,000) in half their steps, with
+#    the same passkey and single-needle scores on seeds 1-3 (docs/experiment.md).
 #
 # Corpora and phase 1's checkpoint go under WORK (default: OUTPUT.work), built there once; every
 # directory must be new or an earlier output of this script. SPARSE_FT_THREADS sets torch's
