@@ -285,11 +285,11 @@ class Runner:
         from sparse_ft.files.outputs import check_apart, claim_directory
 
         cfg.validate()
-        self.context = base_context(cfg.base)  # before anything is written
         self.cfg = cfg
         self.out = Path(cfg.output)
         for flag, output in (("--output", self.out), ("--runs", Path(cfg.runs))):
             check_apart(output, flag, {"--base": Path(cfg.base), "--recipe": Path(cfg.recipe)})
+        self.context = base_context(cfg.base)  # before anything is written
         # results written before folders were marked have their rows
         claim_directory(self.out, WRITER, "--output", legacy=lambda found: (found / "rows").is_dir())
         (self.out / "rows").mkdir(exist_ok=True)
