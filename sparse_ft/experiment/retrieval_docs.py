@@ -107,7 +107,7 @@ class Lookup(Niah):
     documents are the dense signal for copying."""
 
     name = "lookup"
-    uses_essay = True  # any document may draw the essay haystack
+    haystack = "essay"  # the task's: essay words are set up for it; each document draws its own kind
     min_size = 1
 
     def __init__(self) -> None:
@@ -119,8 +119,9 @@ class Lookup(Niah):
         shape.key_type = rng.choice(("words", "words", "uuids"))
         shape.value_type = rng.choice(("numbers", "numbers", "uuids", "words"))
         # BPE tokens of a needle and its question: 76 with a word key and a number, a UUID key
-        # adds ~90 (it is written three times), a UUID value ~58; 150 for the template's head
-        cost = 76 + 90 * (shape.key_type == "uuids") + 58 * (shape.value_type == "uuids")
+        # adds ~90 (it is written three times), a UUID value ~58; 150 for the template's head; a
+        # noise or needle haystack holds a line per needle at least (half as much again)
+        cost = (76 + 90 * (shape.key_type == "uuids") + 58 * (shape.value_type == "uuids")) * (2 if shape.uses_essay else 3) // 2
         shape.num_keys = rng.randint(2, max(2, min(8, (length - 150) // cost)))
         keys, values, context = shape.needles(rng, size if shape.uses_essay else max(size, shape.num_keys))
         head, _ = split_template(TEMPLATE, context, type_needle_v=shape.value_type, query="")

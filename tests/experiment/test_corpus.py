@@ -188,18 +188,21 @@ def test_lookup_documents_ask_every_needle_and_answer_it(tmp_path):
     lookup = Lookup()
     lookup.word_lists = Words(single=tuple(f"word{i}" for i in range(20)), keys=tuple(f"red-fox{i}" for i in range(40)))
     essay = "The cat sat on the mat. It was warm.".split() * 400
-    rng, asked, kinds = random.Random(3), [], set()
+    rng, asked, kinds, haystacks = random.Random(3), [], set(), set()
     for index in range(12):
         ids = retrieval_document(lookup, bpe, 1023, rng, seed=f"pretrain:0:{index}", essay=essay, full=index % 2 == 0)
-        assert len(ids) <= 1023 and (index % 2 or len(ids) >= 1015)
+        assert len(ids) <= 1023 and (index % 2 or len(ids) >= 1023 - 100)  # full: to a haystack line (~90 tokens of UUIDs)
         text = bpe.decode(ids)
         needles = dict(re.findall(r"One of the special magic \w+ for (\S+) is: (\S+)\.", text))
         answers = re.findall(r"The special magic \w+ for (\S+) mentioned in the provided text is (\S+)\.", text)
-        assert 2 <= len(answers) <= 8 and {k for k, _ in answers} == set(needles) and all(needles[k] == v for k, v in answers)
+        keys = [k for k, _ in answers]  # every needle asked, beside distractors in a needle haystack
+        assert 2 <= len(answers) <= 8 and len(set(keys)) == len(keys) and all(needles[k] == v for k, v in answers)
+        assert set(keys) == set(needles) or "The grass is green" not in text and "The cat sat" not in text
         assert text.index("What is") > max(text.index(f"for {k} is:") for k in needles)  # questions after every needle
         asked.append(len(answers))
         kinds.add(re.search(r"Some special magic (\w+)", text).group(1))
-    assert len(set(asked)) > 2 and kinds == {"numbers", "uuids", "words"}
+        haystacks.add("essay" if "The cat sat" in text else "noise" if "The grass is green" in text else "needle")
+    assert len(set(asked)) > 2 and kinds == {"numbers", "uuids", "words"} and haystacks == {"essay", "noise", "needle"}
     tokenizer = tiny_tokenizer()
     with pytest.raises(ValueError, match=r"^lookup_fraction=0.6 must be within \[0, 1 - retrieval_fraction=0.5\]$"):
         build_corpus(tmp_path / "x", tokenizer, context=256, retrieval_fraction=0.5, lookup_fraction=0.6, modules=MODULES)
