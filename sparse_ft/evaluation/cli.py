@@ -38,8 +38,8 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
 def loading_flags(p: argparse.ArgumentParser) -> None:
     """The model, adapter, method and how they load: ``eval`` and ``generate`` take the same."""
     p.add_argument("--model", default=None, help="HF id, local directory, or 'tiny' (built-in test model with random "
-                   "weights; assets/tiny-base is the pretrained one); default: with --adapter, the base it was trained on, "
-                   "else required")
+                   "weights; assets/tiny-base-bpe and assets/tiny-base are pretrained ones); default: with --adapter, the base "
+                   "it was trained on, else required")
     p.add_argument("--adapter", default=None, help="adapter directory written by sparse-ft train (default: none)")
     p.add_argument("--allow-other-base", action="store_true",
                    help="evaluate --adapter on a --model with other weights than the base it was trained on")

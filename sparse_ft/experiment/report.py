@@ -3,8 +3,9 @@ Table 2 (PPL at 1x-4x after PI + LoRA+ through each training pattern, mean and s
 seeds), training-free rows like DCA's Table 1 (PPL far past the pretraining length), passkey
 accuracy per length, RULER's mean per length and effective context length per row, a "transfer to full
 attention" table (each pattern and its variants at the target: full attention against the training
-pattern, passkey, RULER, step time), a PPL-vs-length plot and, per row, a passkey heatmap (depth x
-length) and a RULER heatmap (task x length)."""
+pattern, passkey, RULER, step time), short-context retention (scores at C as shares of the base's),
+a PPL-vs-length plot and, per row, a passkey heatmap (depth x length) and a RULER heatmap (task x
+length)."""
 
 from __future__ import annotations
 
@@ -85,12 +86,12 @@ def _ruler_table(rows: list[dict], groups: dict[str, list[dict]]) -> list[str]:
            "|---|" + "---:|" * len(lengths) + "---|---|"]
     for pattern, group in groups.items():
         if all(_ruler(r) for r in group):
-            cells = [_spread([_ruler(r)[n] for r in group], 1) for n in lengths]
+            cells = [_cell(_values(group, lambda r: _ruler(r).get(n)), 1) for n in lengths]
             out.append(f"| {pattern} (fine-tuned) | " + " | ".join(cells)
                        + f" | {_effective(group, 'ruler')} | {_effective(group, 'relative')} |")
     for r in rows:
         if r["kind"] == "training-free" and _ruler(r):
-            out.append(f"| {r['name']} | " + " | ".join(f"{_ruler(r)[n]:.1f}" for n in lengths)
+            out.append(f"| {r['name']} | " + " | ".join(f"{_ruler(r)[n]:.1f}" if n in _ruler(r) else "—" for n in lengths)
                        + f" | {_effective([r], 'ruler')} | {_effective([r], 'relative')} |")
         elif "not_run" in r.get("ruler", {}):
             out.append(f"| {r['name']} | " + " | ".join("—" for _ in lengths) + " | n/a | n/a |")
@@ -153,6 +154,40 @@ def _transfer_table(groups: dict[str, list[dict]], target: int) -> list[str]:
     return out + [""]
 
 
+def _retention_table(rows: list[dict], groups: dict[str, list[dict]], context: int) -> list[str]:
+    """Short-context retention: each fine-tuned row's scores at the base's own context C as a
+    share of the unchanged base's there (1.00: nothing lost). PPL's share is the base's over the
+    row's, so that lower is worse in every column; the base's scores are the ``vanilla`` row's
+    and RULER's base measurement, and a column whose base was not measured reads n/a."""
+    vanilla = next((r for r in rows if r["kind"] == "training-free" and r.get("method") == "full" and not r["params"]), None)
+    base_ppl = _ppl(vanilla).get(context) if vanilla else None
+    base_pk = _passkey(vanilla).get(context) if vanilla else None
+    ruler_base = next((r["ruler"]["summary"]["base"] for r in rows if _ruler(r) and r["ruler"]["summary"].get("base")), None)
+
+    def share(value: Callable[[dict], Optional[float]], base: Optional[float], invert: bool = False) -> Callable:
+        def of(r: dict) -> Optional[float]:
+            v = value(r)
+            if v is None or not base:
+                return None
+            return base / v if invert else v / base
+        return of
+
+    columns = [share(lambda r: _ppl(r).get(context), base_ppl, invert=True), share(lambda r: _passkey(r).get(context), base_pk),
+               share(lambda r: _ruler(r).get(context), ruler_base["mean"] if ruler_base else None)]
+    base_cells = [f"{base_ppl:.3f}" if base_ppl else "n/a", f"{base_pk:.2f}" if base_pk is not None else "n/a",
+                  f"{ruler_base['mean']:.1f}" if ruler_base else "n/a"]
+    out = [f"## Short-context retention: scores at C = {context} as a share of the base's", "",
+           f"The base's: PPL {base_cells[0]}, passkey {base_cells[1]}, RULER mean {base_cells[2]} (full attention). "
+           "PPL's share is the base's PPL over the row's; passkey's and RULER's the row's score over the base's. "
+           "Mean ± half-range over seeds.", "",
+           "| training pattern | variant | PPL | passkey | RULER |", "|---|---|---:|---:|---:|"]
+    for group in groups.values():
+        first = group[0]
+        out.append(f"| {first['pattern']} | {first.get('variant') or '—'} | "
+                   + " | ".join(_cell(_values(group, column), 2) for column in columns) + " |")
+    return out + [""]
+
+
 def _mean_cells(rows: list[dict]) -> list[dict]:
     acc: dict[tuple, list[float]] = defaultdict(list)
     for row in rows:
@@ -198,7 +233,7 @@ def tables(results: dict) -> str:
             cells += [_spread([r["final_loss"] for r in group], 3), f"{mean(r['train_seconds'] for r in group):.0f}",
                       _cell(_values(group, lambda r: r.get("step_seconds")), 3)]
             out.append(f"| {pattern} | " + " | ".join(cells) + " |")
-        out += [""] + _transfer_table(groups, target)
+        out += [""] + _transfer_table(groups, target) + _retention_table(rows, groups, context)
     free = [r for r in rows if r["kind"] == "training-free"]
     if free:
         lengths = sorted({c["length"] for r in free for c in r["passkey"]})

@@ -138,7 +138,7 @@ def test_paths_resolve_against_the_recipe_not_the_working_directory(tmp_path, mo
     # a shipped recipe's paths are the repository's (an installed package's own copy)
     tiny = load_recipe("tiny")
     assert tiny.data.source == str(REPO_ROOT / "data" / "tiny" / "train.jsonl") and tiny.model.name_or_path == "tiny"
-    assert load_recipe("tiny_4x").model.name_or_path == str(REPO_ROOT / "assets" / "tiny-base")
+    assert load_recipe("tiny_4x").model.name_or_path == str(REPO_ROOT / "assets" / "tiny-base-bpe")
     # a parent named by path sits beside the child; its paths stay its own
     (home / "sub").mkdir()
     (home / "sub" / "child.yaml").write_text("inherit: ../mine.yaml\n")

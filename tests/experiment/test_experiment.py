@@ -23,7 +23,7 @@ def experiment(tmp_path_factory):
                            ppl_factors=[1, 2], passkey_factors=[1, 2], free_methods=["vanilla", "pi", "dca_intra", "parallelcomp"],
                            free_factors=[1, 2], ppl_windows=1, passkey_trials=1, passkey_depths=[0.5],
                            data=str(root / "data"), modules=MODULES, val_percent=50,
-                           ruler_tasks=["niah_single_2"], ruler_factors=[2], ruler_samples=1)
+                           ruler_tasks=["niah_single_2"], ruler_factors=[2], ruler_free_factors=[2], ruler_samples=1)
     return cfg, Runner(cfg).run()
 
 
@@ -38,6 +38,12 @@ def test_rows_tables_and_plots(experiment):
     tables = (out / "tables.md").read_text()
     assert "| s2 | " in tables and " ± " in tables  # two seeds: mean and spread
     assert "| parallelcomp | n/a | n/a |" in tables  # it cannot score PPL, only passkey
+    # retention: each seed's PPL at C over the base's (vanilla at C), RULER n/a (no base measurement at 256)
+    base_ppl = next(r for r in results["rows"] if r["name"] == "vanilla")["ppl"][0]["ppl"]
+    shares = [base_ppl / r["ppl"][0]["ppl"] for r in results["rows"][:2]]
+    cell = f"{sum(shares) / 2:.2f} ± {(max(shares) - min(shares)) / 2:.2f}"
+    assert "## Short-context retention: scores at C = 256" in tables and f"| s2 | — | {cell} | " in tables
+    assert tables.split("## Short-context retention")[1].split("\n## ")[0].rstrip().endswith("| n/a |")
     ablation = next(r for r in results["rows"] if r["name"] == "dca_intra")
     assert ablation["params"] == {"pieces": "intra"} and ablation["ppl"][0]["ppl"] > 0
     row = results["rows"][0]
@@ -229,8 +235,8 @@ def test_ablation_rows_keep_the_tiny_base_settings():
     from sparse_ft.experiment.run import free_methods
 
     rows = free_methods()
-    assert rows["longheads"] == ("longheads", {"chunk_size": 32})
-    assert rows["longheads_paper"] == ("longheads", {"chunk_size": 32, "keep_previous": False})
+    assert rows["longheads"] == ("longheads", {"chunk_size": 64})
+    assert rows["longheads_paper"] == ("longheads", {"chunk_size": 64, "keep_previous": False})
 
 
 def test_a_row_is_evaluated_through_its_training_pattern_with_its_dense_layers():
@@ -290,7 +296,7 @@ def test_variant_rows_get_their_overrides_and_keys_of_their_own(tmp_path):
     with_sf = Runner(ExperimentConfig(base=base, patterns=["s2", "sf_attn"], **where))
     assert with_sf.variants("s2") == ["sinks", "dense_last", "dense_tail"] and with_sf.variants("sf_attn") == ["dense_last", "dense_tail"]
     quick = Runner(ExperimentConfig(**{**asdict(runner.cfg), **QUICK, **where}))
-    assert all(quick.variants(p) == [] for p in quick.cfg.patterns) and quick.cfg.patterns == runner.cfg.patterns
+    assert all(quick.variants(p) == [] for p in quick.cfg.patterns) and quick.cfg.patterns == ["full", "s2"]
 
 
 def _flat(a: dict, b: dict, prefix: str = ""):

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SHIPPED = ("recipes", "ds_configs", "assets/tiny-base", "data/tiny")  # mapped to sparse_ft/_data/... in the wheel
+SHIPPED = ("recipes", "ds_configs", "assets/tiny-base", "assets/tiny-base-bpe", "data/tiny")  # mapped to sparse_ft/_data/... in the wheel
 
 
 def _tracked(*paths: str) -> list[str]:
@@ -57,6 +57,7 @@ def test_the_wheel_holds_every_module_and_shipped_file(wheel):
     shipped = {f"sparse_ft/_data/{name}" for name in _tracked(*SHIPPED) if not Path(name).name.startswith(".")}
     assert modules <= names and shipped <= names, sorted((modules | shipped) - names)
     assert "sparse_ft/_data/recipes/tiny.yaml" in shipped and "sparse_ft/_data/assets/tiny-base/model.safetensors" in shipped
+    assert "sparse_ft/_data/assets/tiny-base-bpe/model.safetensors" in shipped
 
 
 @pytest.mark.slow
