@@ -1,13 +1,14 @@
 """``sparse-ft pretrain`` (``sparse_ft.experiment.pretrain``): a seeded run through the
 trainer with its warm-up and decay writes a loadable safetensors checkpoint and lowers the
-loss; bad settings name the key; the committed base loads with its stated shapes and
-retrieves a passkey inside its window."""
+loss; bad settings name the key; the committed bases load with their stated shapes and
+retrieve inside their windows."""
 
 import json
 
 import pytest
 import torch
 
+from sparse_ft.config.paths import BPE_BASE_DIR
 from sparse_ft.experiment.corpus import build_corpus, load_blocks
 from sparse_ft.experiment.pretrain import ASSET_DIR, PretrainConfig, lr_at, pretrain, train
 from sparse_ft.modeling.tiny import tiny_tokenizer
@@ -109,23 +110,47 @@ def test_bad_config_names_the_key(corpus):
         train(PretrainConfig(**(MICRO | dict(context=64))), load_blocks(corpus), progress=False)
 
 
-def test_committed_checkpoint_loads_with_the_stated_shapes():
+@pytest.mark.parametrize("asset, vocab, most", [(ASSET_DIR, 384, 4.0), (BPE_BASE_DIR, 4096, 5.0)], ids=["byte", "bpe"])
+def test_committed_checkpoint_loads_with_the_stated_shapes(asset, vocab, most):
+    """Both committed bases: the byte base (the unit tests' quick model) and the BPE base (the
+    experiment's); each loss far below uniform over its ids (ln 384 = 5.95, ln 4,096 = 8.32)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    assert (ASSET_DIR / "model.safetensors").stat().st_size <= 20 * 2**20
-    stats = json.loads((ASSET_DIR / "pretrain_stats.json").read_text())
+    assert (asset / "model.safetensors").stat().st_size <= 20 * 2**20
+    stats = json.loads((asset / "pretrain_stats.json").read_text())
     cfg = stats["config"]
-    model = AutoModelForCausalLM.from_pretrained(ASSET_DIR)
+    model = AutoModelForCausalLM.from_pretrained(asset)
     c = model.config
     assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.max_position_embeddings) == \
         (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["context"])
-    assert c.num_attention_heads >= 8 and c.vocab_size == 384
+    assert c.num_attention_heads >= 8 and c.vocab_size == vocab
     assert sum(p.numel() for p in model.parameters()) == stats["parameters"]
-    tok = AutoTokenizer.from_pretrained(ASSET_DIR)
+    tok = AutoTokenizer.from_pretrained(asset)
     ids = torch.tensor([tok("def main():\n    return", add_special_tokens=False)["input_ids"]])
     with torch.no_grad():
         loss = model(input_ids=ids, labels=ids).loss
-    assert torch.isfinite(loss) and loss < 4.0  # far below uniform over bytes (ln 384 = 5.95)
+    assert torch.isfinite(loss) and loss < most
+
+
+def test_the_experiments_base_retrieves_at_every_depth_of_its_window():
+    """What issue 33's base promises and the experiment's retrieval columns rely on: passkeys at
+    depths 0, 0.5 and 1 of a 1,016-token prompt, and RULER's single needles at C = 1,024
+    (docs/experiment.md: seed 3 of scripts/pretrain_bpe_base.sh)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from sparse_ft import methods
+    from sparse_ft.evaluation.tasks.passkey import Passkey
+    from sparse_ft.evaluation.tasks.ruler import Ruler
+
+    model = AutoModelForCausalLM.from_pretrained(BPE_BASE_DIR).eval()
+    tok = AutoTokenizer.from_pretrained(BPE_BASE_DIR)
+    assert model.config.max_position_embeddings == 1024
+    cells = Passkey([1016], [0.0, 0.5, 1.0], trials=3, seed=1).evaluate(model, tok, methods.get("full"))
+    assert all(c["accuracy"] == 1.0 for c in cells), [c["outputs"] for c in cells]
+    ruler = Ruler([1024], ["niah_single_1", "niah_single_2"], samples=3, seed=1)
+    ruler.prepare(tok)
+    rows = ruler.evaluate(model, tok, methods.get("full"))
+    assert all(r["score"] == 100.0 for r in rows), [r["outputs"] for r in rows]
 
 
 def test_committed_checkpoint_retrieves_a_passkey_inside_its_window():
