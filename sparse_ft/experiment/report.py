@@ -81,12 +81,13 @@ def _ruler_table(rows: list[dict], groups: dict[str, list[dict]]) -> list[str]:
            f"Tasks {', '.join(summary['tasks'])}; {samples} samples per task and length, greedy, scored as RULER "
            f"scores them; fine-tuned rows with full attention. Effective length: the longest length whose mean is "
            f">= {summary['effective_length']['ruler']['threshold']:g} (RULER's threshold); relative: {rel}. "
-           "`≥N`: N is the longest evaluated; fine-tuned rows list each seed.", "",
+           "`≥N`: N is the longest evaluated; fine-tuned rows list each seed; —: a length the row was not measured at.", "",
            "| row | " + " | ".join(f"mean@{n}" for n in lengths) + " | effective (85.6) | relative |",
            "|---|" + "---:|" * len(lengths) + "---|---|"]
     for pattern, group in groups.items():
         if all(_ruler(r) for r in group):
-            cells = [_cell(_values(group, lambda r: _ruler(r).get(n)), 1) for n in lengths]
+            cells = [_cell(_values(group, lambda r: _ruler(r).get(n)), 1) if any(n in _ruler(r) for r in group) else "—"
+                     for n in lengths]  # "—": a length the row's kind is not measured at
             out.append(f"| {pattern} (fine-tuned) | " + " | ".join(cells)
                        + f" | {_effective(group, 'ruler')} | {_effective(group, 'relative')} |")
     for r in rows:
