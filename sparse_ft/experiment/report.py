@@ -3,7 +3,7 @@ Table 2 (PPL at 1x-4x after PI + LoRA+ through each training pattern, mean and s
 seeds), training-free rows like DCA's Table 1 (PPL far past the pretraining length), passkey
 accuracy per length, RULER's mean per length and effective context length per row, a "transfer to full
 attention" table (each pattern and its variants at the target: full attention against the training
-pattern, passkey, RULER, step time), short-context retention (scores at C as shares of the base's),
+pattern, passkey, RULER, step time) and the option it recommends per pattern, short-context retention (scores at C as shares of the base's),
 a PPL-vs-length plot and, per row, a passkey heatmap (depth x length) and a RULER heatmap (task x
 length)."""
 
@@ -155,6 +155,70 @@ def _transfer_table(groups: dict[str, list[dict]], target: int) -> list[str]:
     return out + [""]
 
 
+# Issue 34's goal for a training option (a pattern alone or with a variant) served with full
+# attention at the target: PPL within 5 % of full-attention fine-tuning's, passkey and RULER means
+# within 0.05 of its (RULER on its 0-1 scale), at no more than 1.15x the plain pattern's step.
+GOAL_PPL_RATIO, GOAL_SCORE_GAP, GOAL_STEP_RATIO = 1.05, 0.05, 1.15
+
+
+def _option(group: list[dict], target: int, full: dict[str, float]) -> Optional[dict[str, float]]:
+    """One training option's distance from full fine-tuning at ``target`` (seed means); None
+    where a value was not measured. A plain pattern's step ratio is 1 by definition."""
+    ppl, pk = _values(group, lambda r: _ppl(r).get(target)), _values(group, lambda r: _passkey(r).get(target))
+    ruler = _values(group, lambda r: _ruler(r).get(target))
+    step = _values(group, lambda r: r.get("step_ratio")) if group[0].get("variant") else [1.0]
+    if not (ppl and pk and ruler and step):
+        return None
+    return {"ppl": mean(ppl) / full["ppl"], "passkey": mean(pk) - full["passkey"],
+            "ruler": (mean(ruler) - full["ruler"]) / 100, "step": mean(step)}
+
+
+def _meets(o: dict[str, float]) -> bool:
+    return (o["ppl"] <= GOAL_PPL_RATIO and o["passkey"] >= -GOAL_SCORE_GAP and o["ruler"] >= -GOAL_SCORE_GAP
+            and o["step"] <= GOAL_STEP_RATIO)
+
+
+def _recommendation(groups: dict[str, list[dict]], target: int) -> list[str]:
+    """Per training pattern, the option to train with for a model served with full attention:
+    the cheapest that meets the goal (the ``GOAL_`` constants), else the closest in PPL among those
+    within the step budget, and the best in PPL at any cost where that is another option.
+    Empty without a full-attention fine-tuned row (nothing to be within)."""
+    reference = groups.get("full")
+    if not reference:
+        return []
+    full = {"ppl": mean(_ppl(r)[target] for r in reference), "passkey": mean(_passkey(r)[target] for r in reference),
+            "ruler": mean(_ruler(r).get(target, 0.0) for r in reference)}
+    options: dict[str, dict[str, dict[str, float]]] = defaultdict(dict)
+    for group in groups.values():
+        first = group[0]
+        measured = _option(group, target, full)
+        if first["pattern"] != "full" and measured:
+            options[first["pattern"]][first.get("variant") or "alone"] = measured
+    if not options:
+        return []
+    out = [f"## Recommendation per pattern: which option transfers to full attention at {target}", "",
+           f"Goal: served with full attention, PPL within {GOAL_PPL_RATIO - 1:.0%} of full-attention fine-tuning's, "
+           f"passkey and RULER means within {GOAL_SCORE_GAP} of its (RULER on a 0-1 scale), at ≤ {GOAL_STEP_RATIO}× the "
+           "plain pattern's training step. Recommended: the cheapest option that meets it, else the closest in PPL "
+           "within the step budget. Differences are of seed means.", "",
+           "| training pattern | recommended | PPL ÷ full FT | passkey − full FT | RULER − full FT | step × plain | goal |",
+           "|---|---|---:|---:|---:|---:|---|"]
+    notes = []
+    for pattern, by_name in options.items():
+        meeting = sorted((o["step"], name) for name, o in by_name.items() if _meets(o))
+        affordable = sorted((o["ppl"], name) for name, o in by_name.items() if o["step"] <= GOAL_STEP_RATIO)
+        best = min(by_name, key=lambda name: by_name[name]["ppl"])
+        name = meeting[0][1] if meeting else affordable[0][1] if affordable else best
+        o = by_name[name]
+        out.append(f"| {pattern} | {name} | {o['ppl']:.3f} | {o['passkey']:+.2f} | {o['ruler']:+.2f} | {o['step']:.2f} | "
+                   + ("met" if meeting else "not met: closest") + " |")
+        if best != name:
+            b = by_name[best]
+            notes.append(f"{pattern}: {best} is closer in PPL ({b['ppl']:.3f}× full FT, passkey {b['passkey']:+.2f}, "
+                         f"RULER {b['ruler']:+.2f}) at {b['step']:.2f}× the plain step.")
+    return out + ([""] + ["At any cost: " + " ".join(notes)] if notes else []) + [""]
+
+
 def _retention_table(rows: list[dict], groups: dict[str, list[dict]], context: int) -> list[str]:
     """Short-context retention: each fine-tuned row's scores at the base's own context C as a
     share of the unchanged base's there (1.00: nothing lost). PPL's share is the base's over the
@@ -234,7 +298,8 @@ def tables(results: dict) -> str:
             cells += [_spread([r["final_loss"] for r in group], 3), f"{mean(r['train_seconds'] for r in group):.0f}",
                       _cell(_values(group, lambda r: r.get("step_seconds")), 3)]
             out.append(f"| {pattern} | " + " | ".join(cells) + " |")
-        out += [""] + _transfer_table(groups, target) + _retention_table(rows, groups, context)
+        out += ([""] + _transfer_table(groups, target) + _recommendation(groups, target)
+                + _retention_table(rows, groups, context))
     free = [r for r in rows if r["kind"] == "training-free"]
     if free:
         lengths = sorted({c["length"] for r in free for c in r["passkey"]})
