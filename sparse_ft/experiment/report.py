@@ -119,12 +119,18 @@ def _cell(values: Optional[list[float]], digits: int) -> str:
     return "n/a" if values is None else _spread(values, digits)
 
 
-def _transfer_table(groups: dict[str, list[dict]], target: int) -> list[str]:
+def _step_ratio(group: list[dict], cost: dict[str, dict]) -> Optional[float]:
+    """A variant's step over its plain pattern's, median of the interleaved rounds
+    (``step_cost.json``); 1 for a plain pattern; None where not measured."""
+    return cost.get(_group(group[0]), {}).get("ratio") if group[0].get("variant") else 1.0
+
+
+def _transfer_table(groups: dict[str, list[dict]], target: int, cost: dict[str, dict]) -> list[str]:
     """Transfer to full attention (issue 34): per pattern and variant, PPL at the target with
     full attention and through the training pattern, the first over full-attention
-    fine-tuning's (where ``full`` was trained), passkey's and RULER's means at the target, and
-    the training step time, a variant's over its pattern's plain row of the same seed. Mean ±
-    half-range over seeds."""
+    fine-tuning's (where ``full`` was trained), passkey's and RULER's means at the target (mean
+    ± half-range over seeds), the run's mean step time, and a variant's step over its plain
+    pattern's from ``cost`` (:func:`_step_ratio`)."""
     def at_target(r: dict) -> Optional[float]:
         return _ppl(r).get(target)
 
@@ -134,8 +140,9 @@ def _transfer_table(groups: dict[str, list[dict]], target: int) -> list[str]:
            "PPL with full attention (how a model trained through a pattern is served) against the same model "
            "through its training pattern (with its dense layers); "
            + (f"\"÷ full FT\": the first over full-attention fine-tuning's ({reference:.3f}); " if reference else "")
-           + "passkey and RULER means at the same length, with full attention; step: the training step's mean "
-           "seconds, and a variant's over its pattern's plain row of the same seed.", "",
+           + "passkey and RULER means at the same length, with full attention; step s: the run's mean step "
+           "(its training log); step × plain: a variant's step over its plain pattern's, timed in one process, "
+           "interleaved (median of the rounds, step_cost.json).", "",
            "| training pattern | variant | PPL full attention | PPL own pattern | " + ("÷ full FT | " if reference else "")
            + "passkey | RULER | step s | step × plain |",
            "|---|---|" + "---:|" * (6 + bool(reference))]
@@ -147,7 +154,7 @@ def _transfer_table(groups: dict[str, list[dict]], target: int) -> list[str]:
         cells += [_cell(_values(group, lambda r: _passkey(r).get(target)), 2),
                   _cell(_values(group, lambda r: _ruler(r).get(target)), 1),
                   _cell(_values(group, lambda r: r.get("step_seconds")), 3),
-                  _cell(_values(group, lambda r: r.get("step_ratio")), 2) if first.get("variant") else "—"]
+                  ("n/a" if (ratio := _step_ratio(group, cost)) is None else f"{ratio:.2f}") if first.get("variant") else "—"]
         out.append(f"| {first['pattern']} | {first.get('variant') or '—'} | " + " | ".join(cells) + " |")
     variants = {r["variant"]: r["overrides"] for g in groups.values() for r in g if r.get("variant")}
     if variants:
@@ -161,16 +168,16 @@ def _transfer_table(groups: dict[str, list[dict]], target: int) -> list[str]:
 GOAL_PPL_RATIO, GOAL_SCORE_GAP, GOAL_STEP_RATIO = 1.05, 0.05, 1.15
 
 
-def _option(group: list[dict], target: int, full: dict[str, float]) -> Optional[dict[str, float]]:
-    """One training option's distance from full fine-tuning at ``target`` (seed means); None
-    where a value was not measured. A plain pattern's step ratio is 1 by definition."""
+def _option(group: list[dict], target: int, full: dict[str, float], cost: dict[str, dict]) -> Optional[dict[str, float]]:
+    """One training option's distance from full fine-tuning at ``target`` (seed means) and its
+    step over its plain pattern's; None where a value was not measured."""
     ppl, pk = _values(group, lambda r: _ppl(r).get(target)), _values(group, lambda r: _passkey(r).get(target))
     ruler = _values(group, lambda r: _ruler(r).get(target))
-    step = _values(group, lambda r: r.get("step_ratio")) if group[0].get("variant") else [1.0]
+    step = _step_ratio(group, cost)
     if not (ppl and pk and ruler and step):
         return None
     return {"ppl": mean(ppl) / full["ppl"], "passkey": mean(pk) - full["passkey"],
-            "ruler": (mean(ruler) - full["ruler"]) / 100, "step": mean(step)}
+            "ruler": (mean(ruler) - full["ruler"]) / 100, "step": step}
 
 
 def _meets(o: dict[str, float]) -> bool:
@@ -178,7 +185,7 @@ def _meets(o: dict[str, float]) -> bool:
             and o["step"] <= GOAL_STEP_RATIO)
 
 
-def _recommendation(groups: dict[str, list[dict]], target: int) -> list[str]:
+def _recommendation(groups: dict[str, list[dict]], target: int, cost: dict[str, dict]) -> list[str]:
     """Per training pattern, the option to train with for a model served with full attention:
     the cheapest that meets the goal (the ``GOAL_`` constants), else the closest in PPL among those
     within the step budget, and the best in PPL at any cost where that is another option.
@@ -191,7 +198,7 @@ def _recommendation(groups: dict[str, list[dict]], target: int) -> list[str]:
     options: dict[str, dict[str, dict[str, float]]] = defaultdict(dict)
     for group in groups.values():
         first = group[0]
-        measured = _option(group, target, full)
+        measured = _option(group, target, full, cost)
         if first["pattern"] != "full" and measured:
             options[first["pattern"]][first.get("variant") or "alone"] = measured
     if not options:
@@ -298,7 +305,8 @@ def tables(results: dict) -> str:
             cells += [_spread([r["final_loss"] for r in group], 3), f"{mean(r['train_seconds'] for r in group):.0f}",
                       _cell(_values(group, lambda r: r.get("step_seconds")), 3)]
             out.append(f"| {pattern} | " + " | ".join(cells) + " |")
-        out += ([""] + _transfer_table(groups, target) + _recommendation(groups, target)
+        cost = results.get("step_cost", {}).get("options", {})
+        out += ([""] + _transfer_table(groups, target, cost) + _recommendation(groups, target, cost)
                 + _retention_table(rows, groups, context))
     free = [r for r in rows if r["kind"] == "training-free"]
     if free:

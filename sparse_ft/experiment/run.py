@@ -5,7 +5,7 @@ by construction, issue 33) is extended to 4C with position interpolation (or YaR
 through each training pattern on an identical budget and two seeds (SCCA's Table 2), and
 measured beside the training-free methods on the unchanged base out to 8C (DCA's Table 1). The
 full run adds, per sparse training pattern, its :data:`VARIANTS` (with sink tokens, as SF-Attn,
-with a dense last layer, with a dense tail), each timed against the plain pattern's row (issue
+with a dense last layer, with a dense tail), each step timed against its plain pattern's, interleaved (issue
 34). Everything is measured the same way: full attention at evaluation, standard sliding-window
 PPL on held-out stdlib modules, passkey retrieval over lengths x depths, RULER's offline tasks.
 Training and evaluation are the project's own (``train.py``'s loop, ``sparse_ft.evaluation``);
@@ -466,8 +466,8 @@ class Runner:
 
     def _fine_tuned_key(self, recipe, variant: Optional[str] = None) -> str:
         # "ppl_own_pattern": rows written before that column existed are re-evaluated; rows
-        # written before "step_seconds" are kept (a committed result stays unchanged: their
-        # variants' step_ratio reads n/a); a variant's overrides are named too
+        # written before "step_seconds" are kept (a committed result stays unchanged: their step
+        # time reads n/a); a variant's overrides are named too
         named = {"variant": list(VARIANTS[variant].overrides)} if variant else {}
         return _row_key("fine-tuned", {"recipe": recipe.to_dict(), **self._eval_settings(), "ppl_own_pattern": True,
                                        **named})
@@ -476,12 +476,35 @@ class Runner:
         """The variant rows ``pattern`` gets: those of ``variants`` that apply to it."""
         return [v for v in self.cfg.variants if VARIANTS[v].applies(pattern, self.cfg.patterns)]
 
-    def _relative(self, row: dict, plain: dict) -> dict:
-        """``row`` (a variant's) with its step time over the plain row's of its pattern and seed,
-        written when it changed (a plain row made again since); None beside a plain row written
-        before step times were recorded."""
-        ratio = row["step_seconds"] / plain["step_seconds"] if plain.get("step_seconds") else None
-        return row if row.get("step_ratio") == ratio else self._write({**row, "step_ratio": ratio})
+    def step_cost(self, options: dict[str, str]) -> Optional[dict]:
+        """The step cost of each variant against its plain pattern (``options``: variant row
+        name without the seed -> its plain pattern's), measured interleaved in this process
+        (:mod:`sparse_ft.experiment.step_cost`) on the seed-0 recipes, cached in
+        ``<output>/step_cost.json`` under a key of the recipes and the base: a rerun reuses it.
+        None without variants."""
+        from sparse_ft.evaluation.report import write_json
+        from sparse_ft.experiment import step_cost
+
+        if not options:
+            return None
+        names = list(dict.fromkeys([*options.values(), *options]))
+        recipes = {}
+        for name in names:
+            pattern, _, variant = name.partition("+")
+            recipes[name] = self._recipe(pattern, 0, variant=variant or None)
+        key = _row_key("step_cost", {"recipes": {n: r.to_dict() for n, r in recipes.items()}, "warmup": step_cost.WARMUP,
+                                     "repeats": step_cost.REPEATS,
+                                     "base_sha": _file_sha(Path(self.cfg.base) / "model.safetensors")})
+        path = self.out / "step_cost.json"
+        if path.is_file() and (done := json.loads(path.read_text())).get("key") == key:
+            console.say(f"reusing {path}")
+            return done
+        with console.row("step cost"):
+            console.say(f"timing {len(names)} training options' steps interleaved ({step_cost.REPEATS} rounds)")
+            done = {"key": key, "warmup": step_cost.WARMUP, "repeats": step_cost.REPEATS,
+                    "options": step_cost.measure(recipes, options)}
+        write_json(path, done)
+        return done
 
     def _free_key(self, method) -> str:
         # keyed on every parameter, defaults included: a changed default is a new row, not a stale one
@@ -496,17 +519,16 @@ class Runner:
     def run(self) -> dict:
         began = time.perf_counter()
         val = self.data()
-        rows = []
+        rows, options = [], {}
         for pattern in self.cfg.patterns:
-            plain: dict[int, dict] = {}  # seed -> the plain row
             for seed in self.cfg.seeds:
                 with console.row(f"{pattern}-seed{seed}"):  # every progress bar names the row it runs for
-                    plain[seed] = self.fine_tuned(pattern, seed, val)
-                rows.append(plain[seed])
-            for variant in self.variants(pattern):  # beside their pattern, timed against its row of their seed
+                    rows.append(self.fine_tuned(pattern, seed, val))
+            for variant in self.variants(pattern):  # beside their pattern
+                options[f"{pattern}+{variant}"] = pattern
                 for seed in self.cfg.seeds:
                     with console.row(f"{pattern}+{variant}-seed{seed}"):
-                        rows.append(self._relative(self.fine_tuned(pattern, seed, val, variant), plain[seed]))
+                        rows.append(self.fine_tuned(pattern, seed, val, variant))
         for label in self.cfg.free_methods:
             with console.row(label):
                 rows.append(self.training_free(label, val))
@@ -519,6 +541,8 @@ class Runner:
 
         results = {"config": portable(asdict(self.cfg)), "context": self.context, "target": self.target, "rows": rows,
                    "wall_seconds": time.perf_counter() - began, "row_seconds": row_seconds, "machine": describe()}
+        if (cost := self.step_cost(options)) is not None:
+            results["step_cost"] = cost
         write_report(results, self.out)
         return results
 

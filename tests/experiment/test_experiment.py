@@ -322,14 +322,49 @@ def test_a_variant_row_is_trained_evaluated_and_timed_against_its_pattern(experi
     assert [plain["name"], row["name"]] == ["s2-seed0", "s2+sinks-seed0"]
     assert row["variant"] == "sinks" and row["overrides"] == ["attention.params.sink_tokens=4"] and row["key"] != plain["key"]
     assert [r["length"] for r in row["ppl"]] == [256, 512] and row["ppl_own_pattern"]["length"] == 1024
-    assert row["step_seconds"] > 0 and row["step_ratio"] == row["step_seconds"] / plain["step_seconds"]
+    assert row["step_seconds"] > 0 and "step_ratio" not in row
+    # the step cost: both options timed interleaved in one process, cached beside the rows
+    cost = json.loads((tmp_path / "out" / "step_cost.json").read_text())
+    timed = cost["options"]
+    assert set(timed) == {"s2", "s2+sinks"} and cost["repeats"] == 5 and "ratio" not in timed["s2"]
+    assert timed["s2+sinks"]["ratio"] == timed["s2+sinks"]["ms_median"] / timed["s2"]["ms_median"] > 0
+    before = (tmp_path / "out" / "step_cost.json").stat().st_mtime_ns
+    Runner(again).run()  # a rerun reuses the measurement: the tables do not change with the machine's noise
+    assert (tmp_path / "out" / "step_cost.json").stat().st_mtime_ns == before
     adapter = json.loads((Path(cfg.runs) / "s2+sinks-seed0" / "adapter" / "sparse_ft.json").read_text())
     assert adapter["train_attention"] == {"pattern": "s2", "sink_tokens": 4}
     tables = (tmp_path / "out" / "tables.md").read_text()
     assert "| s2+sinks | " in tables and "## Transfer to full attention" in tables and "| s2 | sinks | " in tables
 
 
-def _synthetic(pattern: str, seed: int, ppl: float, own: float, step: float, variant=None, ratio=None, ruler=None) -> dict:
+def test_step_cost_times_a_dense_tail_as_its_two_kinds_of_step_weighted(experiment, monkeypatch):
+    """A dense tail's run costs (1 - f) of its pattern's step and f of the all-dense one; each
+    option's step runs its own method (the tail's attending fully in every layer); ratios are
+    over the plain pattern's, of the medians and of the mins."""
+    from sparse_ft.bench import machine
+    from sparse_ft.bench.machine import Timing
+    from sparse_ft.experiment import step_cost
+
+    cfg, _ = experiment
+    runner = Runner(cfg)
+    recipes = {"s2": runner._recipe("s2", 0), "s2+dense_tail": runner._recipe("s2", 0, variant="dense_tail")}
+    ran = []
+
+    def fake(fns, device, warmup, repeats):
+        for key, fn in fns.items():
+            fn()  # a real forward and backward through the option's method
+            ran.append(key)
+        return {key: Timing(100.0, 120.0) if not key[1] else Timing(200.0, 320.0) for key in fns}
+
+    monkeypatch.setattr(machine, "interleaved", fake)
+    got = step_cost.measure(recipes, {"s2+dense_tail": "s2"})
+    assert ran == [("s2", False), ("s2+dense_tail", False), ("s2+dense_tail", True)]
+    assert got["s2"] == {"ms_min": 100.0, "ms_median": 120.0}
+    assert got["s2+dense_tail"]["ms_median"] == pytest.approx(0.9 * 120 + 0.1 * 320)
+    assert got["s2+dense_tail"]["ratio"] == pytest.approx(140 / 120) and got["s2+dense_tail"]["ratio_min"] == pytest.approx(1.1)
+
+
+def _synthetic(pattern: str, seed: int, ppl: float, own: float, step: float, variant=None, ruler=None) -> dict:
     row = {"name": f"{pattern}{'+' + variant if variant else ''}-seed{seed}", "kind": "fine-tuned", "pattern": pattern,
            "seed": seed, "ppl": [{"length": 256, "ppl": 3.0}, {"length": 1024, "ppl": ppl}],
            "passkey": [{"length": 1024, "depth": d, "accuracy": a} for d, a in ((0.0, 1.0), (1.0, 0.5))],
@@ -337,7 +372,7 @@ def _synthetic(pattern: str, seed: int, ppl: float, own: float, step: float, var
     if step is not None:
         row["step_seconds"] = step
     if variant:
-        row.update(variant=variant, overrides=list(VARIANTS[variant].overrides), step_ratio=ratio)
+        row.update(variant=variant, overrides=list(VARIANTS[variant].overrides))
     if ruler is not None:
         row["ruler"] = {"summary": {"means": [{"length": 1024, "mean": ruler}]}}
     return row
@@ -345,38 +380,43 @@ def _synthetic(pattern: str, seed: int, ppl: float, own: float, step: float, var
 
 def test_the_transfer_table_is_built_from_the_rows():
     """Per pattern and variant: PPL at the target with full attention and through the pattern,
-    over full fine-tuning's, passkey and RULER means, step time and its ratio, each mean ±
-    half-range over seeds, and n/a where a row lacks the value (made before it was recorded)."""
+    over full fine-tuning's, passkey and RULER means, each mean ± half-range over seeds, the
+    run's step time and a variant's interleaved step ratio (step_cost.json), and n/a where a
+    value is missing (a row made before it was recorded, a ratio not measured)."""
     from sparse_ft.experiment.report import _by_pattern, _transfer_table, tables
 
     rows = [_synthetic("full", 0, 4.0, 4.0, 0.2, ruler=50.0), _synthetic("full", 1, 4.2, 4.2, 0.2, ruler=60.0),
             _synthetic("s2", 0, 8.0, 4.1, 0.1, ruler=20.0), _synthetic("s2", 1, 9.0, 4.3, None, ruler=30.0),
-            _synthetic("s2", 0, 4.5, 4.4, 0.12, "dense_tail", 1.2, ruler=40.0),
-            _synthetic("s2", 1, 4.7, 4.6, 0.13, "dense_tail", None, ruler=44.0)]
-    assert _transfer_table(_by_pattern(rows), 1024) == [
+            _synthetic("s2", 0, 4.5, 4.4, 0.12, "dense_tail", ruler=40.0),
+            _synthetic("s2", 1, 4.7, 4.6, 0.13, "dense_tail", ruler=44.0)]
+    cost = {"s2": {"ms_median": 100.0}, "s2+dense_tail": {"ms_median": 107.0, "ratio": 1.07}}
+    assert _transfer_table(_by_pattern(rows), 1024, cost) == [
         "## Transfer to full attention: each pattern and its variants at 1024", "",
         "PPL with full attention (how a model trained through a pattern is served) against the same model through its "
         "training pattern (with its dense layers); \"÷ full FT\": the first over full-attention fine-tuning's (4.100); "
-        "passkey and RULER means at the same length, with full attention; step: the training step's mean seconds, and a "
-        "variant's over its pattern's plain row of the same seed.", "",
+        "passkey and RULER means at the same length, with full attention; step s: the run's mean step (its training log); "
+        "step × plain: a variant's step over its plain pattern's, timed in one process, interleaved (median of the "
+        "rounds, step_cost.json).", "",
         "| training pattern | variant | PPL full attention | PPL own pattern | ÷ full FT | passkey | RULER | step s | step × plain |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|",
         "| full | — | 4.100 ± 0.100 | 4.100 ± 0.100 | 1.000 | 0.75 ± 0.00 | 55.0 ± 5.0 | 0.200 ± 0.000 | — |",
         "| s2 | — | 8.500 ± 0.500 | 4.200 ± 0.100 | 2.073 | 0.75 ± 0.00 | 25.0 ± 5.0 | n/a | — |",
-        "| s2 | dense_tail | 4.600 ± 0.100 | 4.500 ± 0.100 | 1.122 | 0.75 ± 0.00 | 42.0 ± 2.0 | 0.125 ± 0.005 | n/a |",
+        "| s2 | dense_tail | 4.600 ± 0.100 | 4.500 ± 0.100 | 1.122 | 0.75 ± 0.00 | 42.0 ± 2.0 | 0.125 ± 0.005 | 1.07 |",
         "", "Variants: dense_tail = train.dense_final_fraction=0.1.", ""]
     one_seed = [r for r in rows if r["seed"] == 0 and r["pattern"] == "s2"]
-    assert _transfer_table(_by_pattern(one_seed), 1024)[6:9] == [
+    assert _transfer_table(_by_pattern(one_seed), 1024, {})[6:9] == [
         "| s2 | — | 8.000 | 4.100 | 0.75 | 20.0 | 0.100 | — |",
-        "| s2 | dense_tail | 4.500 | 4.400 | 0.75 | 40.0 | 0.120 | 1.20 |", ""]
+        "| s2 | dense_tail | 4.500 | 4.400 | 0.75 | 40.0 | 0.120 | n/a |", ""]
     for row in rows:
         del row["ruler"]
     results = {"rows": rows, "context": 256, "target": 1024, "row_seconds": 60.0, "wall_seconds": 60.0,
+               "step_cost": {"options": cost},
                "config": {"base": "assets/tiny-base", "steps": 2, "seeds": [0, 1], "ppl_windows": 1, "passkey_trials": 1,
                           "passkey_depths": [0.0, 1.0], "rope_method": "linear"}}
     text = tables(results)
     assert "| s2+dense_tail | 3.000 ± 0.000 | 4.600 ± 0.100 | 4.500 ± 0.100 | 0.75 ± 0.00 | 1.000 ± 0.000 | 10 | 0.125 ± 0.005 |" in text
-    assert "| s2 | dense_tail | 4.600 ± 0.100 | 4.500 ± 0.100 | 1.122 | 0.75 ± 0.00 | n/a | 0.125 ± 0.005 | n/a |" in text
+    assert "| s2 | dense_tail | 4.600 ± 0.100 | 4.500 ± 0.100 | 1.122 | 0.75 ± 0.00 | n/a | 0.125 ± 0.005 | 1.07 |" in text
+    assert "## Recommendation" not in text  # no RULER: no option is measured on every count
 
 
 def test_the_recommendation_is_the_cheapest_option_that_meets_the_goal_else_the_closest():
@@ -388,13 +428,15 @@ def test_the_recommendation_is_the_cheapest_option_that_meets_the_goal_else_the_
 
     rows = [_synthetic("full", 0, 4.0, 4.0, 0.2, ruler=50.0), _synthetic("full", 1, 4.2, 4.2, 0.2, ruler=60.0),
             _synthetic("s2", 0, 8.0, 4.1, 0.1, ruler=20.0), _synthetic("s2", 1, 9.0, 4.3, 0.1, ruler=30.0),
-            _synthetic("s2", 0, 4.2, 4.4, 0.11, "dense_tail", 1.1, ruler=54.0),
-            _synthetic("s2", 1, 4.3, 4.6, 0.11, "dense_tail", 1.1, ruler=56.0),
-            _synthetic("s2", 0, 4.1, 4.1, 0.13, "dense_last", 1.3, ruler=55.0),
+            _synthetic("s2", 0, 4.2, 4.4, 0.11, "dense_tail", ruler=54.0),
+            _synthetic("s2", 1, 4.3, 4.6, 0.11, "dense_tail", ruler=56.0),
+            _synthetic("s2", 0, 4.1, 4.1, 0.13, "dense_last", ruler=55.0),
             _synthetic("scca_fixed", 0, 6.0, 4.1, 0.1, ruler=40.0),
-            _synthetic("scca_fixed", 0, 5.0, 4.1, 0.1, "sinks", 1.05, ruler=20.0),
-            _synthetic("scca_fixed", 0, 4.1, 4.1, 0.1, "dense_last", 1.2, ruler=55.0)]
-    text = _recommendation(_by_pattern(rows), 1024)
+            _synthetic("scca_fixed", 0, 5.0, 4.1, 0.1, "sinks", ruler=20.0),
+            _synthetic("scca_fixed", 0, 4.1, 4.1, 0.1, "dense_last", ruler=55.0)]
+    cost = {"s2+dense_tail": {"ratio": 1.1}, "s2+dense_last": {"ratio": 1.3}, "scca_fixed+sinks": {"ratio": 1.05},
+            "scca_fixed+dense_last": {"ratio": 1.2}}
+    text = _recommendation(_by_pattern(rows), 1024, cost)
     assert text[0] == "## Recommendation per pattern: which option transfers to full attention at 1024"
     assert text[5:] == [
         "|---|---|---:|---:|---:|---:|---|",
@@ -403,4 +445,7 @@ def test_the_recommendation_is_the_cheapest_option_that_meets_the_goal_else_the_
         "At any cost: s2: dense_last is closer in PPL (1.000× full FT, passkey +0.00, RULER +0.00) at 1.30× the plain "
         "step. scca_fixed: dense_last is closer in PPL (1.000× full FT, passkey +0.00, RULER +0.00) at 1.20× the plain step.",
         ""]
-    assert _recommendation(_by_pattern([r for r in rows if r["pattern"] != "full"]), 1024) == []
+    assert _recommendation(_by_pattern([r for r in rows if r["pattern"] != "full"]), 1024, cost) == []
+    # a variant whose step cost was not measured is no candidate
+    del cost["s2+dense_tail"]
+    assert _recommendation(_by_pattern(rows), 1024, cost)[6] == "| s2 | alone | 2.073 | +0.00 | -0.30 | 1.00 | not met: closest |"
