@@ -539,10 +539,10 @@ class Runner:
         from sparse_ft.bench.machine import describe
         from sparse_ft.experiment.report import write_report
 
+        cost = self.step_cost(options)
         results = {"config": portable(asdict(self.cfg)), "context": self.context, "target": self.target, "rows": rows,
-                   "wall_seconds": time.perf_counter() - began, "row_seconds": row_seconds, "machine": describe()}
-        if (cost := self.step_cost(options)) is not None:
-            results["step_cost"] = cost
+                   "wall_seconds": time.perf_counter() - began, "row_seconds": row_seconds, "machine": describe(),
+                   **({"step_cost": cost} if cost is not None else {})}
         write_report(results, self.out)
         return results
 
