@@ -121,7 +121,10 @@ def test_the_experiment_runs_each_row_inside_its_label(monkeypatch, tmp_path):
     runner.fine_tuned = lambda pattern, seed, val, variant=None: {"name": f"{pattern}{variant}{seed}", "step_seconds": 1.0,
                                                                   "bar": console.bar_label("train"), "eval_seconds": 0.0}
     runner.training_free = lambda label, val: {"bar": console.bar_label("ppl"), "eval_seconds": 0.0}
+    timed = []
+    runner.step_cost = lambda options: timed.append(options)  # after the rows: each variant with its plain pattern
     monkeypatch.setattr(report, "write_report", lambda results, out: None)
     rows = runner.run()["rows"]
+    assert timed == [{"s2+dense_tail": "s2"}]
     assert [r["bar"] for r in rows] == ["s2-seed0: train", "s2-seed1: train", "s2+dense_tail-seed0: train",
                                         "s2+dense_tail-seed1: train", "vanilla: ppl"]
