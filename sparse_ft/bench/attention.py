@@ -79,6 +79,13 @@ def default_patterns() -> list[str]:
     return [name for name in registry.names() if name != "causal" and not registry.required(name)]
 
 
+def sinks_name(pattern: str, sink_tokens: int) -> str:
+    """``pattern`` built with ``sink_tokens`` sink tokens, as tables name it (beside
+    ``dense_layers_name``'s ``s2 + full in [0]``): its own row, so the sinks' cost reads
+    against the plain pattern's."""
+    return f"{pattern} + {sink_tokens} sinks"
+
+
 def _step(attend, q, k, v):
     def run():
         attend(q, k, v).sum().backward()
@@ -104,10 +111,13 @@ def run(
     repeats: int = 5,
     backends: Iterable[str] = ("sdpa",),
     sdpa_backend: Optional[str] = None,
+    sink_tokens: int = 0,
 ) -> Iterator[Row]:
     """Rows of one (N, H, D) come together, after its last round (round-robin needs them all).
     ``patterns`` defaults to :func:`default_patterns`. ``sdpa_backend`` (a key of
-    ``dense_kernel.BACKENDS``) pins that backend instead of the one SDPA picks."""
+    ``dense_kernel.BACKENDS``) pins that backend instead of the one SDPA picks. With
+    ``sink_tokens`` each pattern is also measured with that many sink tokens, a row of its own
+    (:func:`sinks_name`) whose ideal counts its own pairs, the sinks' included."""
     dev = torch.device(device)
     configs = [(n, h, d) for n in lengths for h in heads for d in head_dims]
     patterns, backends = list(default_patterns() if patterns is None else patterns), list(backends)
@@ -118,7 +128,13 @@ def run(
         q, k, v = make(h), make(hk), make(hk)
         kernel = dense_kernel.find(_step(_dense, q, k, v), dev, sdpa_backend)
         pin = kernel.pin if kernel else (lambda fn, pieces=False: fn)
-        chosen = {(backend, name): attn_patterns.get(name, backend=backend) for backend in backends for name in patterns}
+        chosen: dict[tuple[str, str], attn_patterns.Pattern] = {}
+        for backend in backends:
+            for name in patterns:
+                chosen[(backend, name)] = attn_patterns.get(name, backend=backend)
+                if sink_tokens:  # as a recipe's attention.params.sink_tokens sets them (sf_attn's own 4 replaced)
+                    sinks = attn_patterns.get(name, backend=backend, sink_tokens=sink_tokens)
+                    chosen[(backend, sinks_name(name, sink_tokens))] = sinks
         runs = {DENSE: pin(_step(_dense, q, k, v)),
                 **{key: pin(_step(pattern, q, k, v), pieces=True) for key, pattern in chosen.items()}}
         with torch._dynamo.config.patch(cache_size_limit=FLEX_RECOMPILES):

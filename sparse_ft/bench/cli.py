@@ -63,6 +63,13 @@ def _model(p: argparse.ArgumentParser) -> None:
                         "8b: Llama-3.1-8B's shapes (GPU)")
 
 
+def _sink_tokens(p: argparse.ArgumentParser, only: str = "") -> None:
+    p.add_argument("--sink-tokens", type=int, default=0, metavar="K",
+                   help="as attention.params.sink_tokens: each query also sees the first K keys. Each pattern is also "
+                        f"measured with K sink tokens (sf_attn's own 4 replaced by K), its row 'PATTERN + K sinks' beside "
+                        f"the plain one{only} (default 0: no sink rows)")
+
+
 def configure(bench: argparse.ArgumentParser) -> None:
     which = bench.add_subparsers(dest="bench", required=True, metavar="KIND")
     p = which.add_parser("attention", help="forward+backward time and peak memory of each pattern vs dense causal SDPA")
@@ -73,6 +80,7 @@ def configure(bench: argparse.ArgumentParser) -> None:
     p.add_argument("--heads", default="8", help="query heads (comma list)")
     p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default: as many as query heads)")
     p.add_argument("--head-dims", default="64", help="head dimensions (comma list)")
+    _sink_tokens(p)
     _sdpa_backend(p)
     p.add_argument("--quick", action="store_true",
                    help="N in {2k, 4k}, H=8, D=64, 2 repeats (overrides those flags): a quick CPU check, marked as too few repeats")
@@ -92,6 +100,7 @@ def configure(bench: argparse.ArgumentParser) -> None:
     t.add_argument("--dense-final-fraction", type=float, default=0.0,
                    help="as train.dense_final_fraction: the all-dense step is measured too, and each pattern's run "
                         "as the mean of its step and the dense step weighted by this fraction")
+    _sink_tokens(t, " (of the plain pattern only: no sink row with --dense-layers or a dense tail)")
     t.set_defaults(func=main_train)
     d = which.add_parser("dca", help="DCA prefill time and peak memory vs causal SDPA (pinned to the kernel SDPA picks)")
     _common(d, "4096,8192,16384,32768", REPEATS["dca"])
@@ -222,6 +231,7 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError(f"bench attention: --kv-heads={args.kv_heads} must divide every --heads value (got {h})")
         for name in patterns:
             attn_patterns.get(name).check_heads(h)
+    _check_sinks(args.sink_tokens, patterns, lengths, "bench attention: --sink-tokens")
     machine = _machine(device, args)
     memory = attention.PEAK_MEMORY.get(device.type, "not measured")
     flops = (f"{dense_kernel.FORWARD_FLOPS_PER_PAIR}·pairs·D forward, {1 + dense_kernel.BACKWARD_FACTOR:g}× that "
@@ -230,12 +240,13 @@ def main(args: argparse.Namespace) -> int:
              f"{machine['machine']}. Dense kernel: {_kernel_note(args)}, pinned (sdpa_kernel) for the baseline and every "
              f"pattern's SDPA calls alike. Speedup: of the medians (and of the "
              f"mins); of ideal: speedup ÷ (causal pairs ÷ pattern pairs) = TFLOP/s ÷ dense TFLOP/s, each over its "
-             f"own pairs at its median ({flops}). Peak memory: {memory}")
+             f"own pairs at its median ({flops}). Peak memory: {memory}{_sink_rows(args.sink_tokens)}")
     rows = attention.run(lengths, heads, dims, patterns, dtype=dtype, device=str(device), kv_heads=args.kv_heads,
-                         warmup=args.warmup, repeats=args.repeats, backends=backends, sdpa_backend=_pinned(args))
+                         warmup=args.warmup, repeats=args.repeats, backends=backends, sdpa_backend=_pinned(args),
+                         sink_tokens=args.sink_tokens)
     return _sweep(args, title, rows, attention.markdown,
                   payload={**machine, "dtype": dtype, "sdpa_backend": args.sdpa_backend, "peak_memory": memory,
-                           "flops": flops})
+                           "flops": flops, "sink_tokens": args.sink_tokens})
 
 
 def main_train(args: argparse.Namespace) -> int:
@@ -253,6 +264,7 @@ def main_train(args: argparse.Namespace) -> int:
         raise ValueError(f"bench train: --dense-final-fraction {args.dense_final_fraction} must be in [0, 1] "
                          "(the fraction of a run's steps, the last ones, with full attention in every layer)")
     train_step.trained_methods(patterns, args.backend, dtype)  # the names and backend a recipe takes
+    _check_sinks(args.sink_tokens, [p for p in patterns if p != "full"], lengths, "bench train: --sink-tokens")
     checkpointing = args.model != "tiny" if args.gradient_checkpointing is None else args.gradient_checkpointing
     machine = _machine(device, args)
     memory = train_step.PEAK_MEMORY
@@ -262,15 +274,16 @@ def main_train(args: argparse.Namespace) -> int:
              f"patterns {_rounds(args)}, on {machine['machine']}. Speedup: of the medians (and of the mins). Attention "
              f"share a = 1 − no-op step ÷ full step (medians); Amdahl bound = 1 / ((1 − a) + a / ideal), ideal = causal "
              f"pairs ÷ pattern pairs; of bound = speedup ÷ bound. Step peak: {memory['step']}. Attention peak: "
-             f"{memory['attention']}{_dense_rows(dense_layers, args.dense_final_fraction)}")
+             f"{memory['attention']}{_dense_rows(dense_layers, args.dense_final_fraction)}{_sink_rows(args.sink_tokens)}")
     rows = train_step.run(lengths, patterns, str(device), dtype, warmup=args.warmup, repeats=args.repeats,
                           model=args.model, gradient_checkpointing=checkpointing,
-                          backend=args.backend, dense_layers=dense_layers, dense_final_fraction=args.dense_final_fraction)
+                          backend=args.backend, dense_layers=dense_layers, dense_final_fraction=args.dense_final_fraction,
+                          sink_tokens=args.sink_tokens)
     return _sweep(args, title, rows, train_step.markdown,
                   payload={**machine, "dtype": dtype, "model": args.model,
                    "model_config": models.MODELS[args.model], "gradient_checkpointing": checkpointing,
                    "backend": args.backend, "peak_memory": memory, "dense_layers": dense_layers,
-                   "dense_final_fraction": args.dense_final_fraction})
+                   "dense_final_fraction": args.dense_final_fraction, "sink_tokens": args.sink_tokens})
 
 
 def _dense_rows(dense_layers: Any, fraction: float) -> str:
@@ -284,6 +297,31 @@ def _dense_rows(dense_layers: Any, fraction: float) -> str:
                     f"(1 − {fraction:g}) × its step + {fraction:g} × the all-dense step (the {DENSE} row), both measured; "
                     "peak memory the larger")
     return "".join(f". {sentence}" for sentence in said)
+
+
+def _check_sinks(k: int, patterns: list[str], lengths: list[int], flag: str) -> None:
+    """``--sink-tokens K`` refused before anything is measured, as a run refuses
+    ``attention.params.sink_tokens``: K >= 0, and each pattern built with K sink tokens takes
+    every benchmarked length (its own ``check_length``: K below its chunk width there)."""
+    if k < 0:
+        raise ValueError(f"{flag} {k} must be in [0, each pattern's chunk width at every --lengths value) (0: no sink rows)")
+    for name in patterns if k else ():
+        try:
+            pattern = attn_patterns.get(name, sink_tokens=k)
+            for n in lengths:
+                pattern.check_length(n)
+        except ValueError as err:
+            raise ValueError(f"{flag} {k}: {err}") from None
+
+
+def _sink_rows(k: int) -> str:
+    """What the rows of ``--sink-tokens`` are, for the title."""
+    from sparse_ft.bench.attention import sinks_name
+
+    if not k:
+        return ""
+    return (f". Rows '{sinks_name('PATTERN', k)}': the pattern with attention.params.sink_tokens={k} (each query also "
+            f"sees the first {k} keys; sf_attn's own 4 replaced), ideal over its own pairs, the sinks' included")
 
 
 def _dense_layers(text: Any, layers: int) -> Any:

@@ -36,6 +36,7 @@ from sparse_ft import methods
 from sparse_ft.methods.dense_layers import DenseSpec, dense_layers_name
 from sparse_ft.modeling.attention import IMPLEMENTATION, install_method, pretrained
 from sparse_ft.bench import models
+from sparse_ft.bench.attention import sinks_name
 from sparse_ft.bench.machine import CallPeak, Timing, bench_dtype, cell, interleaved, ratio
 from sparse_ft.config import LoraSection
 from sparse_ft.modeling.dtypes import SHORT_NAMES
@@ -94,17 +95,23 @@ def amdahl_bound(share: float, ideal: float) -> float:
 
 
 def trained_methods(patterns: Iterable[str], backend: Optional[str], dtype: str, *,
-                    dense_layers: DenseSpec = (), dense_tail: bool = False) -> dict[str, methods.Method]:
+                    dense_layers: DenseSpec = (), dense_tail: bool = False,
+                    sink_tokens: int = 0) -> dict[str, methods.Method]:
     """``full`` (the model's own attention, the baseline a user would train with) first, then
     each pattern on ``backend``, built as a recipe builds them (bad names, and a backend a
-    pattern cannot run, fail here, before any model is built); with ``dense_layers`` each
-    pattern also with those layers attending fully (:func:`dense_layers_name`), as a recipe's
-    ``attention.dense_layers`` trains; with ``dense_tail`` the all-dense step (:data:`DENSE`),
-    which a dense tail takes."""
+    pattern cannot run, fail here, before any model is built); with ``sink_tokens`` each
+    pattern also with that many sink tokens (:func:`sinks_name`), as a recipe's
+    ``attention.params.sink_tokens`` trains (plain patterns only: no sinks with dense layers or
+    a dense tail); with ``dense_layers`` each pattern also with those layers attending fully
+    (:func:`dense_layers_name`), as a recipe's ``attention.dense_layers`` trains; with
+    ``dense_tail`` the all-dense step (:data:`DENSE`), which a dense tail takes."""
     chosen = {"full": methods.for_training("full", {}, None, SHORT_NAMES[dtype])[0]}
     for name in patterns:
         if name != "full":
             chosen[name] = methods.for_training(name, {}, backend, SHORT_NAMES[dtype])[0]
+            if sink_tokens:
+                with_sinks = {"sink_tokens": sink_tokens}
+                chosen[sinks_name(name, sink_tokens)] = methods.for_training(name, with_sinks, backend, SHORT_NAMES[dtype])[0]
             if dense_layers:
                 chosen[dense_layers_name(name, dense_layers)] = methods.with_dense_layers(chosen[name], dense_layers)
     if dense_tail:
@@ -155,16 +162,18 @@ def _attention_through(net: torch.nn.Module, wrap: Callable[[Callable], Callable
 def run(lengths: Iterable[int], patterns: Iterable[str], device: str = "cpu", dtype: str = "fp32",
         *, warmup: int = 1, repeats: int = 3, model: str = "tiny", gradient_checkpointing: bool = False,
         backend: Optional[str] = None, dense_layers: DenseSpec = (),
-        dense_final_fraction: float = 0.0) -> Iterator[StepRow]:
+        dense_final_fraction: float = 0.0, sink_tokens: int = 0) -> Iterator[StepRow]:
     """Rows of one length come together, after its last round (round-robin needs them all).
     ``dense_layers`` and ``dense_final_fraction`` as a recipe's: each pattern's step is also
     measured with those layers attending fully, and a dense tail's all-dense step too, whose
     rows (:func:`dense_tail_name`) are the steps' mean weighted by the fractions of a run each
-    takes, from the two measurements."""
+    takes, from the two measurements. ``sink_tokens`` as ``attention.params.sink_tokens``: each
+    pattern's step also measured with that many sink tokens, its ideal over its own pairs."""
     dev = torch.device(device)
     lengths = list(lengths)
     patterns = [p for p in patterns if p != "full"]
-    chosen = trained_methods(patterns, backend, dtype, dense_layers=dense_layers, dense_tail=dense_final_fraction > 0)
+    chosen = trained_methods(patterns, backend, dtype, dense_layers=dense_layers, dense_tail=dense_final_fraction > 0,
+                             sink_tokens=sink_tokens)
     net = models.build(model, max(lengths), dev, bench_dtype(dtype))
     net = add_adapters(net, LoraSection(), chosen["full"], gradient_checkpointing).train()
     vocab, shape = models.vocab_size(model), models.config(model, max(lengths))

@@ -397,21 +397,54 @@ def test_patterns_beside_a_cudnn_baseline_are_pinned_to_flash():
     assert "the patterns' SDPA pieces pinned to FLASH_ATTENTION (cuDNN is wrong on strided views)" in table
 
 
-def test_bench_train_measures_dense_layers_and_weighs_a_dense_tail(tmp_path):
+def _sink_ideal(name, n, heads):
+    """Causal pairs over the pairs of ``name`` built with 4 sink tokens: the sinks' keys counted."""
+    return attn_patterns.get("causal").visible_pairs(n, heads) / attn_patterns.get(name, sink_tokens=4).visible_pairs(n, heads)
+
+
+def test_bench_train_measures_dense_layers_sink_tokens_and_weighs_a_dense_tail(tmp_path):
     """``--dense-layers``: each pattern's step measured with those layers attending fully;
     ``--dense-final-fraction``: the all-dense step measured too, and the run's mean step the
-    two weighted."""
+    two weighted; ``--sink-tokens``: the plain pattern's step also with 4 sink tokens, its
+    ideal over its own pairs (no sink row with the dense layers or the tail). One run: each
+    takes a model build and a round-robin."""
     out = tmp_path / "train.json"
     assert main(["bench", "train", "--lengths", "32", "--patterns", "s2", "--repeats", "1", "--warmup", "0",
-                 "--dense-layers", "0,3", "--dense-final-fraction", "0.25", "--output", str(out)]) == 0
+                 "--dense-layers", "0,3", "--dense-final-fraction", "0.25", "--sink-tokens", "4", "--output", str(out)]) == 0
     payload = json.loads(out.read_text())
-    assert payload["dense_layers"] == [0, 3] and payload["dense_final_fraction"] == 0.25
+    assert payload["dense_layers"] == [0, 3] and payload["dense_final_fraction"] == 0.25 and payload["sink_tokens"] == 4
     rows = {r["pattern"]: r for r in payload["results"]}
-    assert list(rows) == ["full", "no attention", "s2", "s2 + full in [0, 3]", "causal", "s2 + full in [0, 3], dense tail 0.25"]
+    assert list(rows) == ["full", "no attention", "s2", "s2 + 4 sinks", "s2 + full in [0, 3]", "causal",
+                          "s2 + full in [0, 3], dense tail 0.25"]
+    sinks = rows["s2 + 4 sinks"]
+    assert sinks["ideal"] == pytest.approx(_sink_ideal("s2", 32, models.config("tiny", 32).num_attention_heads))
+    assert 1 < sinks["ideal"] < rows["s2"]["ideal"] and sinks["ms_median"] > 0  # the sinks add keys
+    a = sinks["attention_share"]
+    assert sinks["amdahl_bound"] == pytest.approx(1 / ((1 - a) + a / sinks["ideal"]))
     layers, dense, tail = rows["s2 + full in [0, 3]"], rows["causal"], rows["s2 + full in [0, 3], dense tail 0.25"]
     assert tail["ms_median"] == pytest.approx(0.75 * layers["ms_median"] + 0.25 * dense["ms_median"])
     assert tail["step_peak_mib"] == max(layers["step_peak_mib"], dense["step_peak_mib"])
     assert 1 / dense["ideal"] == pytest.approx(1.0) and 1 < layers["ideal"] < rows["s2"]["ideal"]
     assert 1 / layers["ideal"] == pytest.approx(0.5 / rows["s2"]["ideal"] + 0.5)  # two of the four layers dense
     assert 1 / tail["ideal"] == pytest.approx(0.75 / layers["ideal"] + 0.25)
-    assert "Rows 'dense tail 0.25'" in out.with_suffix(".md").read_text()
+    title = out.with_suffix(".md").read_text()
+    assert "Rows 'dense tail 0.25'" in title and "Rows 'PATTERN + 4 sinks'" in title
+
+
+def test_bench_attention_measures_each_pattern_with_sink_tokens(tmp_path):
+    """``--sink-tokens 4``: each pattern's row, then its row with 4 sink tokens, whose ideal
+    counts the sinks' pairs; sf_attn, which has 4 of its own, gets the row too."""
+    out = tmp_path / "bench.json"
+    assert main(["bench", "attention", "--lengths", "64", "--heads", "8", "--head-dims", "16", "--patterns", "s2,sf_attn",
+                 "--repeats", "1", "--warmup", "0", "--sink-tokens", "4", "--output", str(out)]) == 0
+    payload = json.loads(out.read_text())
+    assert payload["sink_tokens"] == 4
+    rows = {r["pattern"]: r for r in payload["results"]}
+    assert list(rows) == ["s2", "s2 + 4 sinks", "sf_attn", "sf_attn + 4 sinks"]
+    for name in ("s2", "sf_attn"):
+        mine = rows[attention.sinks_name(name, 4)]
+        assert mine["ideal"] == pytest.approx(_sink_ideal(name, 64, 8)) and mine["error"] is None
+        assert mine["fraction_of_ideal"] == pytest.approx(mine["tflops"] / mine["dense_tflops"])  # over its own pairs
+    assert rows["s2 + 4 sinks"]["ideal"] < rows["s2"]["ideal"]  # the sinks add keys
+    assert rows["sf_attn + 4 sinks"]["ideal"] == rows["sf_attn"]["ideal"]  # its own 4, replaced by 4
+    assert "Rows 'PATTERN + 4 sinks'" in out.with_suffix(".md").read_text()

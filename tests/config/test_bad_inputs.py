@@ -916,6 +916,12 @@ CLI_CASES = {
         r"bench train: --dense-layers 'last 9' is invalid: 'last n' with n in \[1, 4\] \(the model has 4 layers\)$"),
     "bench train with a dense tail fraction above 1": (
         ["bench", "train", *BENCH, "--dense-final-fraction", "2"], None, r"bench train: --dense-final-fraction 2.0 must be in \[0, 1\]"),
+    "bench attention with negative sink tokens": (
+        ["bench", "attention", *BENCH, "--sink-tokens", "-1"], None,
+        r"bench attention: --sink-tokens -1 must be in \[0, each pattern's chunk width at every --lengths value\)"),
+    "bench train with sink tokens as wide as a chunk": (
+        ["bench", "train", *BENCH, "--patterns", "s2", "--sink-tokens", "16"], None,
+        r"bench train: --sink-tokens 16: s2\(chunks=4, sink_tokens=16\): sink_tokens=16 must be in \[0, 16\) at sequence length 64"),
     "bench train on CUDA without CUDA": (
         ["bench", "train", *BENCH, "--device", "cuda"], None, r"bench train: --device 'cuda': torch sees no CUDA device here"),
     "bench dca on CUDA without CUDA": (
