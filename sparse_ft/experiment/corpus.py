@@ -44,6 +44,12 @@ def is_validation(text: str, val_percent: float) -> bool:
     return int(hashlib.sha256(text.encode("utf-8")).hexdigest()[:8], 16) % 10000 < val_percent * 100
 
 
+def fits_one(*shares: float) -> bool:
+    """Whether block shares sum to at most 1, up to float rounding: 0.3 + 0.6 + 0.1 is
+    1.0000000000000002, and 1 - 0.3 - 0.6 is below 0.1, yet a user who writes them means 1."""
+    return sum(shares) <= 1.0 + 1e-9
+
+
 def build_corpus(output_dir: Path, tokenizer, context: int = 256, retrieval_fraction: float = RETRIEVAL_FRACTION,
                  *, val_percent: float = 5.0, seed: int = 0, modules: Optional[Iterable[str]] = None,
                  max_blocks: Optional[int] = None, retrieval_tasks: Sequence[str] = ("passkey",),
@@ -70,9 +76,9 @@ def build_corpus(output_dir: Path, tokenizer, context: int = 256, retrieval_frac
     """
     if not 0.0 <= retrieval_fraction <= 1.0:
         raise ValueError(f"retrieval_fraction={retrieval_fraction} must be within [0, 1]")
-    if not 0.0 <= lookup_fraction <= 1.0 - retrieval_fraction:
+    if not (0.0 <= lookup_fraction and fits_one(retrieval_fraction, lookup_fraction)):
         raise ValueError(f"lookup_fraction={lookup_fraction} must be within [0, 1 - retrieval_fraction={retrieval_fraction}]")
-    if not 0.0 <= copy_fraction <= 1.0 - retrieval_fraction - lookup_fraction:
+    if not (0.0 <= copy_fraction and fits_one(retrieval_fraction, lookup_fraction, copy_fraction)):
         raise ValueError(f"copy_fraction={copy_fraction} must be within [0, 1 - retrieval_fraction={retrieval_fraction}"
                          + (f" - lookup_fraction={lookup_fraction}]" if lookup_fraction else "]"))
     if not 0.0 <= full_fraction <= 1.0:

@@ -288,7 +288,7 @@ def pretrain(cfg: PretrainConfig, corpus: Path = CORPUS_DIR, output: Path = ASSE
     """Build the corpus if missing, train, evaluate, save; returns the stats written (with the
     stats of ``init_from``'s training under ``previous_phase``). ``output`` is checked first:
     apart from the inputs, and an earlier output of this command only with ``overwrite``."""
-    from sparse_ft.experiment.corpus import RETRIEVAL_FRACTION, build_corpus, load_blocks
+    from sparse_ft.experiment.corpus import RETRIEVAL_FRACTION, build_corpus, fits_one, load_blocks
     from sparse_ft.evaluation.tokens import load_tokens
     from sparse_ft.files.outputs import check_apart, check_output_dir
 
@@ -304,9 +304,9 @@ def pretrain(cfg: PretrainConfig, corpus: Path = CORPUS_DIR, output: Path = ASSE
         raise ValueError(f"--max-blocks {max_blocks} must be >= 1")
     if text_passes < 1:
         raise ValueError(f"--text-passes {text_passes} must be >= 1")
-    if not 0 <= lookup_fraction <= 1 - retrieval_fraction:
+    if not (0 <= lookup_fraction and fits_one(retrieval_fraction, lookup_fraction)):
         raise ValueError(f"--lookup-fraction {lookup_fraction} must be within [0, 1 - --retrieval-fraction]")
-    if not 0 <= copy_fraction <= 1 - retrieval_fraction - lookup_fraction:
+    if not (0 <= copy_fraction and fits_one(retrieval_fraction, lookup_fraction, copy_fraction)):
         raise ValueError(f"--copy-fraction {copy_fraction} must be within [0, 1 - --retrieval-fraction"
                          + (" - --lookup-fraction]" if lookup_fraction else "]"))
     if not 0 <= full_fraction <= 1:
@@ -397,7 +397,8 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "a span of words repeated to its end: the dense signal that forms copy heads); default 0")
     p.add_argument("--lookup-fraction", type=float, default=0.0,
                    help="when the corpus is built here: share of blocks that open with a lookup document (needles, "
-                        "then every key asked and answered: the dense signal for matching a key); default 0")
+                        "then every key asked and answered, then keys drilled at random: the dense signal for matching a key); "
+                        "default 0")
     p.add_argument("--full-fraction", type=float, default=0.0,
                    help="when the corpus is built here: share of retrieval, lookup and copy documents that fill their block "
                         "(needles a whole context before their question, which uniform lengths rarely draw); default 0")

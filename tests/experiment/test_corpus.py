@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from sparse_ft.experiment.corpus import build_corpus, is_validation, load_blocks
+from sparse_ft.experiment.corpus import build_corpus, fits_one, is_validation, load_blocks
 from sparse_ft.experiment.passkey_docs import passkey_document
 from sparse_ft.evaluation.passkey_prompt import QUESTION, build_prompt, needle
 from sparse_ft.data.stdlib_text import iter_stdlib_documents
@@ -174,8 +174,9 @@ def test_full_documents_fill_their_block(corpus, tokenizer, tmp_path):
 
 def test_lookup_documents_ask_every_needle_and_answer_it(tmp_path):
     """A lookup document holds 2 to 8 needles of distinct keys and asks every key once, in
-    RULER's words, each question followed by the value its needle holds: no question without
-    its needle, none unanswered; it fits its length (the whole of it when full). In a corpus
+    RULER's words, then drills keys at random, each question and drill followed by the value its
+    needle holds: no question without its needle, none unanswered, more drills than questions
+    (when full); it fits its length (the whole of it when full). In a corpus
     lookup_fraction of the blocks open with one, drawn apart from the retrieval and copy shares."""
     import re
 
@@ -195,20 +196,26 @@ def test_lookup_documents_ask_every_needle_and_answer_it(tmp_path):
         text = bpe.decode(ids)
         needles = dict(re.findall(r"One of the special magic \w+ for (\S+) is: (\S+)\.", text))
         answers = re.findall(r"The special magic \w+ for (\S+) mentioned in the provided text is (\S+)\.", text)
-        keys = [k for k, _ in answers]  # every needle asked, beside distractors in a needle haystack
-        assert 2 <= len(answers) <= 8 and len(set(keys)) == len(keys) and all(needles[k] == v for k, v in answers)
-        assert set(keys) == set(needles) or "The grass is green" not in text and "The cat sat" not in text
+        questions = re.findall(r"What is the special magic \w+ for (\S+) mentioned", text)
+        keys = set(questions)  # every needle asked once, beside distractors in a needle haystack; then drills
+        assert 2 <= len(questions) <= 8 and len(keys) == len(questions) and all(needles[k] == v for k, v in answers)
+        assert {k for k, _ in answers} == keys and len(answers) > len(questions) + 2 * (index % 2 == 0)
+        assert keys == set(needles) or "The grass is green" not in text and "The cat sat" not in text
         assert text.index("What is") > max(text.index(f"for {k} is:") for k in needles)  # questions after every needle
-        asked.append(len(answers))
+        asked.append(len(questions))
         kinds.add(re.search(r"Some special magic (\w+)", text).group(1))
         haystacks.add("essay" if "The cat sat" in text else "noise" if "The grass is green" in text else "needle")
-    assert len(set(asked)) > 2 and kinds == {"numbers", "uuids", "words"} and haystacks == {"essay", "noise", "needle"}
+    assert len(set(asked)) >= 2 and kinds == {"numbers", "uuids", "words"} and haystacks == {"essay", "noise", "needle"}
     tokenizer = tiny_tokenizer()
     with pytest.raises(ValueError, match=r"^lookup_fraction=0.6 must be within \[0, 1 - retrieval_fraction=0.5\]$"):
         build_corpus(tmp_path / "x", tokenizer, context=256, retrieval_fraction=0.5, lookup_fraction=0.6, modules=MODULES)
     with pytest.raises(ValueError, match=r"^copy_fraction=0.3 must be within \[0, 1 - retrieval_fraction=0.5 - lookup_fraction=0.3\]$"):
         build_corpus(tmp_path / "x", tokenizer, context=256, retrieval_fraction=0.5, lookup_fraction=0.3, copy_fraction=0.3,
                      modules=MODULES)
+    # shares that sum to 1 in decimals are taken, though 1 - 0.9 < 0.1 in floats
+    assert fits_one(0.3, 0.6, 0.1) and not fits_one(0.3, 0.6, 0.2)
+    build_corpus(tmp_path / "sum1", tokenizer, context=256, retrieval_fraction=0.9, copy_fraction=0.1, modules=MODULES,
+                 val_percent=_val_percent(), max_blocks=4)
     manifest = build_corpus(tmp_path, bpe, context=1024, retrieval_fraction=0.0, lookup_fraction=0.5, modules=MODULES,
                             val_percent=_val_percent(), max_blocks=40)
     assert 10 < manifest["lookup_blocks"] < 30 and manifest["lookup_fraction"] == 0.5
