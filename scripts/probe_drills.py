@@ -1,0 +1,109 @@
+"""Can a base learn to match keys at all? Train it on drills alone and watch (issue 33).
+
+    python scripts/probe_drills.py BASE OUTPUT [--steps 800] [--keys 8] [--length 512]
+
+niah_multikey_1 asks for one of four needles' values; a base that has copy heads but no key
+matching answers with a needle at random (0.2-0.3). This probe continues BASE's training on
+documents of drills only: ``--keys`` needles in RULER's form (training-word keys, 7-digit
+values; no haystack), then RULER's answer sentence for keys drawn at random, each followed by
+its value, to the document's end (the drills of ``retrieval_docs.Lookup``, at full density).
+Every 50 steps it prints the share of drills on 16 held-out documents whose first digit (the
+choice of needle: the digits after it are copying) and whole value the model predicts,
+teacher-forced. It writes the trained checkpoint to OUTPUT and the curve to OUTPUT/probe.json;
+``sparse-ft eval ruler --model OUTPUT`` then says whether the matching carries over to RULER.
+Full-parameter AdamW at a constant lr, loss on every token, one thread.
+"""
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from sparse_ft.evaluation.tasks.niah import NEEDLE, SINGULAR
+from sparse_ft.experiment.retrieval_docs import training_words
+from sparse_ft.experiment.tokenizer import training_texts
+
+DRILL = SINGULAR.split("?")[-1]  # " The special magic {type_needle_v} for {query} mentioned in the provided text is"
+
+
+def document(tokenizer, keys: list[str], rng: random.Random, n: int, length: int) -> tuple[list[int], list[tuple[int, int]]]:
+    """Token ids of ``n`` needles and drills to ``length``, and each drill's (first digit, digits)."""
+    chosen = rng.sample(keys, n)
+    values = [str(rng.randrange(10**6, 10**7)) for _ in chosen]
+    ids: list[int] = []
+
+    def add(text: str) -> None:
+        ids.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    for key, value in zip(chosen, values):
+        add(" " + NEEDLE.format(type_needle_v="numbers", key=key, value=value))
+    answers = []
+    while len(ids) < length:
+        i = rng.randrange(n)
+        add(DRILL.format(type_needle_v="number", query=chosen[i]) + " ")
+        answers.append((len(ids), len(values[i])))
+        add(f"{values[i]}.")
+    return ids[:length], [(start, digits) for start, digits in answers if start + digits <= length]
+
+
+def accuracy(model, tokenizer, keys: list[str], n: int, length: int) -> tuple[float, float]:
+    """Teacher-forced share of drills whose first digit, and whose every digit, is predicted."""
+    rng, first, whole, total = random.Random(999), 0, 0, 0
+    model.eval()
+    with torch.no_grad():
+        for _ in range(16):
+            ids, answers = document(tokenizer, keys, rng, n, length)
+            predicted = model(torch.tensor([ids])).logits[0].argmax(-1).tolist()
+            for start, digits in answers:
+                total += 1
+                first += predicted[start - 1] == ids[start]
+                whole += all(predicted[k - 1] == ids[k] for k in range(start, start + digits))
+    model.train()
+    return round(first / total, 3), round(whole / total, 3)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("base")
+    p.add_argument("output", type=Path)
+    p.add_argument("--steps", type=int, default=800)
+    p.add_argument("--keys", type=int, default=8, help="needles per document (default 8)")
+    p.add_argument("--length", type=int, default=512, help="tokens per document (default 512)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--lr", type=float, default=1e-3)
+    args = p.parse_args()
+    if args.output.exists() and any(args.output.iterdir()):
+        raise SystemExit(f"OUTPUT {args.output} is not empty; name a new directory")
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    tokenizer = AutoTokenizer.from_pretrained(args.base)
+    model = AutoModelForCausalLM.from_pretrained(args.base)
+    keys = list(training_words(training_texts()).keys)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    rng, began = random.Random(1), time.perf_counter()
+    curve = [{"step": 0, "first_digit": (acc := accuracy(model, tokenizer, keys, args.keys, args.length))[0],
+              "whole_value": acc[1]}]
+    print(f"step 0 first digit / whole value {acc}", flush=True)
+    for step in range(1, args.steps + 1):
+        batch = torch.tensor([document(tokenizer, keys, rng, args.keys, args.length)[0] for _ in range(args.batch_size)])
+        loss = model(batch, labels=batch).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if step % 50 == 0:
+            acc = accuracy(model, tokenizer, keys, args.keys, args.length)
+            seconds = time.perf_counter() - began
+            curve.append({"step": step, "loss": loss.item(), "first_digit": acc[0], "whole_value": acc[1], "seconds": seconds})
+            print(f"step {step} loss {loss.item():.3f} first digit / whole value {acc} {seconds:.0f} s", flush=True)
+    model.save_pretrained(args.output)
+    tokenizer.save_pretrained(args.output)
+    (args.output / "probe.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                                        "curve": curve}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
