@@ -23,11 +23,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from sparse_ft.evaluation.tasks.niah import NEEDLE, SINGULAR
-from sparse_ft.experiment.retrieval_docs import training_words
+from sparse_ft.evaluation.tasks.niah import NEEDLE
+from sparse_ft.experiment.retrieval_docs import DRILL, training_words
 from sparse_ft.experiment.tokenizer import training_texts
-
-DRILL = SINGULAR.split("?")[-1]  # " The special magic {type_needle_v} for {query} mentioned in the provided text is"
 
 
 def document(tokenizer, keys: list[str], rng: random.Random, n: int, length: int) -> tuple[list[int], list[tuple[int, int]]]:

@@ -39,6 +39,7 @@ from sparse_ft.evaluation.words import EVALUATION, Words
 # single words and keys of each kind: RULER's pools are ~800 words and ~90k keys
 SINGLE_WORDS = 600
 KEY_PARTS = 300
+DRILL = SINGULAR.split("?")[-1]  # RULER's answer sentence: " The special magic {type_needle_v} for {query} ... is"
 DRILL_SHARE = 0.75  # of what a lookup document's head and two needles leave: the rest needles, haystack, questions
 
 
@@ -136,8 +137,7 @@ class Lookup(Niah):
         one = shape.value_type[:-1]
         asked = [split_template(SINGULAR, "", type_needle_v=one, query=keys[i])[1] + f" {values[i][0]}."
                  for i in rng.sample(range(len(keys)), len(keys))]
-        answer = SINGULAR.split("?")[-1]  # " The special magic {type_needle_v} for {query} mentioned ... is"
-        asked += [answer.format(type_needle_v=one, query=keys[i]) + f" {values[i][0]}."
+        asked += [DRILL.format(type_needle_v=one, query=keys[i]) + f" {values[i][0]}."
                   for i in rng.choices(range(len(keys)), k=drills)]
         return Sample(head, "".join(asked), ())
 
