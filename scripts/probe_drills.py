@@ -1,6 +1,6 @@
 """Can a base learn to match keys at all? Train it on drills alone and watch (issue 33).
 
-    python scripts/probe_drills.py BASE OUTPUT [--steps 800] [--keys 8] [--length 512]
+    python scripts/probe_drills.py BASE OUTPUT [--steps 800] [--keys 8] [--length 512] [--seed 1] [--threads 1]
 
 niah_multikey_1 asks for one of four needles' values; a base that has copy heads but no key
 matching answers with a needle at random (0.2-0.3). This probe continues BASE's training on
@@ -11,7 +11,8 @@ Every 50 steps it prints the share of drills on 16 held-out documents whose firs
 choice of needle: the digits after it are copying) and whole value the model predicts,
 teacher-forced. It writes the trained checkpoint to OUTPUT and the curve to OUTPUT/probe.json;
 ``sparse-ft eval ruler --model OUTPUT`` then says whether the matching carries over to RULER.
-Full-parameter AdamW at a constant lr, loss on every token, one thread.
+Full-parameter AdamW at a constant lr, loss on every token. Its checkpoint is also the first half of
+the drilled base: `sparse-ft pretrain --init-from OUTPUT --lookup-fraction 0.9 ...` (docs/experiment.md).
 """
 
 import argparse
@@ -73,16 +74,17 @@ def main() -> None:
     p.add_argument("--length", type=int, default=512, help="tokens per document (default 512)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=1, help="the documents' random stream (default 1)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     args = p.parse_args()
     if args.output.exists() and any(args.output.iterdir()):
         raise SystemExit(f"OUTPUT {args.output} is not empty; name a new directory")
-    torch.manual_seed(0)
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     tokenizer = AutoTokenizer.from_pretrained(args.base)
     model = AutoModelForCausalLM.from_pretrained(args.base)
     keys = list(training_words(training_texts()).keys)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    rng, began = random.Random(1), time.perf_counter()
+    rng, began = random.Random(args.seed), time.perf_counter()
     curve = [{"step": 0, "first_digit": (acc := accuracy(model, tokenizer, keys, args.keys, args.length))[0],
               "whole_value": acc[1]}]
     print(f"step 0 first digit / whole value {acc}", flush=True)

@@ -40,7 +40,7 @@ from sparse_ft.evaluation.words import EVALUATION, Words
 SINGLE_WORDS = 600
 KEY_PARTS = 300
 DRILL = SINGULAR.split("?")[-1]  # RULER's answer sentence: " The special magic {type_needle_v} for {query} ... is"
-DRILL_SHARE = 0.75  # of what a lookup document's head and two needles leave: the rest needles, haystack, questions
+DRILL_SHARE = 0.85  # of what a lookup document's head, needles and question leave: the rest haystack
 
 
 def training_words(texts: Iterable[str]) -> Words:
@@ -101,16 +101,17 @@ def retrieval_document(task: Any, tokenizer, max_tokens: int, rng: random.Random
 
 class Lookup(Niah):
     """Training only, never registered: 2 to 8 needles of RULER's form (keys and values of a
-    kind drawn per document) in a haystack of a kind drawn per document, then every key asked in
-    turn in RULER's words, each question followed by its value, then drills: RULER's answer
-    sentence for keys drawn at random, each with its value, over about ``DRILL_SHARE`` of the
-    document. A RULER document trains one lookup in a thousand tokens; this one trains dozens,
-    and most needles are not the nearest: the dense signal for matching a key with the needle
-    that holds it (a base trained on RULER's documents alone answered niah_multikey_1 with a
-    needle at random, 0.2-0.3), as copy documents are the dense signal for copying. The drills
-    are what teach it: with each key asked once (2-8 answers a document) a quarter of the
-    blocks left the base at random; documents of drills formed key matching in ~300 steps
-    (docs/experiment.md, "Lookup documents")."""
+    kind drawn per document; 4 to 8 where they fit in a third of the document) in a haystack
+    of a kind drawn per document, then one key asked in RULER's words, then drills: RULER's
+    answer sentence for every key in turn and then keys drawn at random, each with its value,
+    over about ``DRILL_SHARE`` of what the needles leave. A RULER document trains one lookup in
+    a thousand tokens; this one trains a dozen or more among many needles, most of them not the
+    nearest: the dense signal for matching a key with the needle that holds it (a base trained on
+    RULER's documents alone answered niah_multikey_1 with a needle at random, 0.2-0.3), as copy
+    documents are the dense signal for copying. Mixed into pretraining they did not form key
+    matching on their own (niah_multikey_1 0.35-0.55); after a phase of drills alone
+    (``scripts/probe_drills.py``), which forms it, they carried it to 1.00 (docs/experiment.md,
+    "A drills phase")."""
 
     name = "lookup"
     haystack = "essay"  # the task's: essay words are set up for it; each document draws its own kind
@@ -124,21 +125,21 @@ class Lookup(Niah):
         shape.haystack = rng.choice(("noise", "needle", "essay"))
         shape.key_type = rng.choice(("words", "words", "uuids"))
         shape.value_type = rng.choice(("numbers", "numbers", "uuids", "words"))
-        # BPE tokens of a needle and its question: 76 with a word key and a number, a UUID key
-        # adds ~90 (it is written three times), a UUID value ~58; 150 for the template's head; a
-        # noise or needle haystack holds a line per needle at least (half as much again)
-        cost = (76 + 90 * (shape.key_type == "uuids") + 58 * (shape.value_type == "uuids")) * (2 if shape.uses_essay else 3) // 2
-        # BPE tokens of a drill: 16 of the sentence, a word key 6 (a UUID 34), a number 8 (a UUID 34, a word 2)
-        drill = 16 + (34 if shape.key_type == "uuids" else 6) + {"numbers": 8, "uuids": 34, "words": 2}[shape.value_type]
-        drills = int(DRILL_SHARE * max(0, length - 150 - 2 * cost)) // drill  # of what two needles leave
-        shape.num_keys = rng.randint(2, max(2, min(8, (length - drills * drill - 150) // cost)))
+        # BPE tokens of a needle: 26 with a word key and a number, a UUID key or value adds 28;
+        # a drill 4 more, the question 25 more than a drill; 150 for the template's head; a noise
+        # or needle haystack holds a line per needle at least (half as much again)
+        needle = 26 + 28 * (shape.key_type == "uuids") + 28 * (shape.value_type == "uuids")
+        room = length - 150 - needle - 29
+        line = needle * (2 if shape.uses_essay else 3) // 2
+        shape.num_keys = max(2, min(rng.randint(4, 8), room // (3 * line)))
+        drills = max(shape.num_keys, int(DRILL_SHARE * (room - shape.num_keys * line)) // (needle + 4))
         keys, values, context = shape.needles(rng, size if shape.uses_essay else max(size, shape.num_keys))
         head, _ = split_template(TEMPLATE, context, type_needle_v=shape.value_type, query="")
         one = shape.value_type[:-1]
-        asked = [split_template(SINGULAR, "", type_needle_v=one, query=keys[i])[1] + f" {values[i][0]}."
-                 for i in rng.sample(range(len(keys)), len(keys))]
-        asked += [DRILL.format(type_needle_v=one, query=keys[i]) + f" {values[i][0]}."
-                  for i in rng.choices(range(len(keys)), k=drills)]
+        first = rng.randrange(len(keys))
+        order = rng.sample(range(len(keys)), len(keys)) + rng.choices(range(len(keys)), k=drills - len(keys))
+        asked = [split_template(SINGULAR, "", type_needle_v=one, query=keys[first])[1] + f" {values[first][0]}."]
+        asked += [DRILL.format(type_needle_v=one, query=keys[i]) + f" {values[i][0]}." for i in order]
         return Sample(head, "".join(asked), ())
 
     def reference(self, sample: Sample) -> str:

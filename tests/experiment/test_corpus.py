@@ -172,12 +172,13 @@ def test_full_documents_fill_their_block(corpus, tokenizer, tmp_path):
         build_corpus(tmp_path / "x", tokenizer, context=256, modules=MODULES, full_fraction=-0.1)
 
 
-def test_lookup_documents_ask_every_needle_and_answer_it(tmp_path):
-    """A lookup document holds 2 to 8 needles of distinct keys and asks every key once, in
-    RULER's words, then drills keys at random, each question and drill followed by the value its
-    needle holds: no question without its needle, none unanswered, more drills than questions
-    (when full); it fits its length (the whole of it when full). In a corpus
-    lookup_fraction of the blocks open with one, drawn apart from the retrieval and copy shares."""
+def test_lookup_documents_drill_every_needle_and_answer_it(tmp_path):
+    """A lookup document holds 2 to 8 needles of distinct keys (4 or more when its kinds are
+    short and it is full), asks one key in RULER's words, then drills every key and then keys at
+    random, each question and drill followed by the value its needle holds: no drill without its
+    needle, none unanswered, two drills a needle or more (when full); it fits its length (the
+    whole of it when full). In a corpus lookup_fraction of the blocks open with one, drawn apart
+    from the retrieval and copy shares."""
     import re
 
     from sparse_ft.evaluation.words import Words
@@ -189,23 +190,26 @@ def test_lookup_documents_ask_every_needle_and_answer_it(tmp_path):
     lookup = Lookup()
     lookup.word_lists = Words(single=tuple(f"word{i}" for i in range(20)), keys=tuple(f"red-fox{i}" for i in range(40)))
     essay = "The cat sat on the mat. It was warm.".split() * 400
-    rng, asked, kinds, haystacks = random.Random(3), [], set(), set()
+    rng, drilled, kinds, haystacks = random.Random(3), [], set(), set()
     for index in range(12):
-        ids = retrieval_document(lookup, bpe, 1023, rng, seed=f"pretrain:0:{index}", essay=essay, full=index % 2 == 0)
-        assert len(ids) <= 1023 and (index % 2 or len(ids) >= 1023 - 100)  # full: to a haystack line (~90 tokens of UUIDs)
+        full = index % 2 == 0
+        ids = retrieval_document(lookup, bpe, 1023, rng, seed=f"pretrain:0:{index}", essay=essay, full=full)
+        assert len(ids) <= 1023 and (not full or len(ids) >= 1023 - 100)  # full: to a haystack line (~90 tokens of UUIDs)
         text = bpe.decode(ids)
         needles = dict(re.findall(r"One of the special magic \w+ for (\S+) is: (\S+)\.", text))
         answers = re.findall(r"The special magic \w+ for (\S+) mentioned in the provided text is (\S+)\.", text)
         questions = re.findall(r"What is the special magic \w+ for (\S+) mentioned", text)
-        keys = set(questions)  # every needle asked once, beside distractors in a needle haystack; then drills
-        assert 2 <= len(questions) <= 8 and len(keys) == len(questions) and all(needles[k] == v for k, v in answers)
-        assert {k for k, _ in answers} == keys and len(answers) > len(questions) + 2 * (index % 2 == 0)
+        keys = {k for k, _ in answers}  # every needle drilled, beside distractors in a needle haystack
+        assert len(questions) == 1 and questions[0] in keys and all(needles[k] == v for k, v in answers)
+        assert 2 <= len(keys) <= 8 and len(answers) >= len(keys) + 1
+        short = "-" not in answers[0][1] and "-" not in next(iter(keys))[4:]  # no UUID key or value
+        assert not full or len(answers) >= 2 * len(keys) and (not short or len(keys) >= 4)
         assert keys == set(needles) or "The grass is green" not in text and "The cat sat" not in text
-        assert text.index("What is") > max(text.index(f"for {k} is:") for k in needles)  # questions after every needle
-        asked.append(len(questions))
+        assert text.index("What is") > max(text.index(f"for {k} is:") for k in keys)  # questions after every needle
+        drilled.append(len(keys))
         kinds.add(re.search(r"Some special magic (\w+)", text).group(1))
         haystacks.add("essay" if "The cat sat" in text else "noise" if "The grass is green" in text else "needle")
-    assert len(set(asked)) >= 2 and kinds == {"numbers", "uuids", "words"} and haystacks == {"essay", "noise", "needle"}
+    assert len(set(drilled)) >= 2 and kinds == {"numbers", "uuids", "words"} and haystacks == {"essay", "noise", "needle"}
     tokenizer = tiny_tokenizer()
     with pytest.raises(ValueError, match=r"^lookup_fraction=0.6 must be within \[0, 1 - retrieval_fraction=0.5\]$"):
         build_corpus(tmp_path / "x", tokenizer, context=256, retrieval_fraction=0.5, lookup_fraction=0.6, modules=MODULES)
