@@ -397,7 +397,7 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "a span of words repeated to its end: the dense signal that forms copy heads); default 0")
     p.add_argument("--lookup-fraction", type=float, default=0.0,
                    help="when the corpus is built here: share of blocks that open with a lookup document (needles, "
-                        "then every key asked and answered, then keys drilled at random: the dense signal for matching a key); "
+                        "one key asked, then every key and keys at random drilled, each answered: the signal for matching a key); "
                         "default 0")
     p.add_argument("--full-fraction", type=float, default=0.0,
                    help="when the corpus is built here: share of retrieval, lookup and copy documents that fill their block "

@@ -202,7 +202,7 @@ def test_lookup_documents_drill_every_needle_and_answer_it(tmp_path):
         keys = {k for k, _ in answers}  # every needle drilled, beside distractors in a needle haystack
         assert len(questions) == 1 and questions[0] in keys and all(needles[k] == v for k, v in answers)
         assert 2 <= len(keys) <= 8 and len(answers) >= len(keys) + 1
-        short = "-" not in answers[0][1] and "-" not in next(iter(keys))[4:]  # no UUID key or value
+        short = not re.search(r"[0-9a-f]{8}-[0-9a-f]{4}-", answers[0][0] + answers[0][1])  # no UUID key or value
         assert not full or len(answers) >= 2 * len(keys) and (not short or len(keys) >= 4)
         assert keys == set(needles) or "The grass is green" not in text and "The cat sat" not in text
         assert text.index("What is") > max(text.index(f"for {k} is:") for k in keys)  # questions after every needle
