@@ -135,7 +135,7 @@ def test_committed_checkpoint_loads_with_the_stated_shapes(asset, vocab, most):
 def test_the_experiments_base_retrieves_at_every_depth_of_its_window():
     """What issue 33's base promises and the experiment's retrieval columns rely on: passkeys at
     depths 0, 0.5 and 1 of a 1,016-token prompt, and RULER's single needles at C = 1,024
-    (docs/experiment.md: seed 3 of scripts/pretrain_bpe_base.sh)."""
+    (docs/experiment.md: SPARSE_FT_PHASES=2 scripts/pretrain_bpe_base.sh 3)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from sparse_ft import methods
