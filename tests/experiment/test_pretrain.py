@@ -181,3 +181,18 @@ def test_copy_probe_sees_the_base_copy_the_key():
     model = AutoModelForCausalLM.from_pretrained(ASSET_DIR).eval()
     acc = probe.copy_accuracy(model, AutoTokenizer.from_pretrained(ASSET_DIR), 256, keys=2, depth=1.0)
     assert acc["needle repeat"] == 1.0 and acc["answer"] >= 0.75 and acc["needle"] < 0.5, acc
+
+
+@pytest.mark.parametrize("phases", ["3", "two"])
+def test_the_base_script_refuses_an_unknown_recipe_in_one_line_before_it_writes(tmp_path, phases):
+    """``SPARSE_FT_PHASES`` picks the four-phase recipe or the committed base's two; anything
+    else would otherwise run an hour of phases 1-2 and then whichever branch it fell into."""
+    import subprocess
+
+    from sparse_ft.config.paths import REPO_ROOT
+
+    done = subprocess.run(["bash", str(REPO_ROOT / "scripts" / "pretrain_bpe_base.sh"), "1", str(tmp_path / "out")],
+                          env={"PATH": "/usr/bin:/bin", "SPARSE_FT_PHASES": phases}, capture_output=True, text=True)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == f"SPARSE_FT_PHASES={phases}: must be 4 (the recipe) or 2 (the committed base's)\n"
+    assert list(tmp_path.iterdir()) == []
