@@ -9,8 +9,9 @@
 #                                # pattern's Amdahl bound; DCA and LongHeads prefill 8k-128k; NF4 eval vs bf16
 #   scripts/gpu_bench.sh part3   # memory: the planner against the allocator (plan_check), a recorded
 #                                # 8B-shaped QLoRA step at 131k and 180k (what is alive at its peak), the longest fit
-#   scripts/gpu_bench.sh quick   # what a short lease affords (about 6 minutes): the Triton kernels' tests,
-#                                # attention 16k-128k (sdpa, triton), DCA and LongHeads' kernel 32k-128k, the 1B step at 64k
+#   scripts/gpu_bench.sh quick   # what a 15-minute lease affords (about 6 minutes): attention 16k-128k on sdpa
+#                                # (the Triton kernel's rate is part1's), the Triton kernels' tests, DCA and LongHeads'
+#                                # kernel 32k-128k, the 1B step at 64k
 #   scripts/gpu_bench.sh rest    # what quick leaves out, in one call of under 10 minutes: the recorded 2-layer
 #                                # QLoRA step, the 1B step 16k-32k of every pattern with its Amdahl bound, DCA and
 #                                # LongHeads 8k-128k, the longest 8B QLoRA fit around the planner's, the other gpu tests
@@ -162,13 +163,15 @@ part3() {
 
 quick() {
     machine
-    gpu_tests 100 tests/attn_patterns/test_triton_attention.py tests/attn_patterns/test_dca_triton.py tests/attn_patterns/test_longheads_triton.py \
+    bench 100 attention-h32-d128 attention "${ATTN[@]}" --lengths 16384,32768,65536,131072 --backends sdpa
+    # 40 tests, about 120 s on an H200 (each fp32 ragged case compiles for 17-27 s): 110 s cut off 8
+    gpu_tests 140 tests/attn_patterns/test_triton_attention.py tests/attn_patterns/test_dca_triton.py tests/attn_patterns/test_longheads_triton.py \
         tests/bench/test_memory_snapshot.py
-    attention 110 16384,32768,65536,131072
     # LongHeads through its one kernel (the torch path: dca-prefill-h100.md)
     bench 60 dca-prefill-longheads-triton dca --dtype bf16 --lengths 32768,65536,131072 --heads 32 --kv-heads 8 \
         --head-dim 128 --pretraining-length 4096 --longheads-backend triton --warmup 1 --repeats 5
-    bench 70 train-1b train --model 1b --dtype bf16 --lengths 65536 --patterns s2,scca_flow,longmixed --warmup 1 --repeats 3
+    # 20 steps of 1-4 s after the model is built: 70 s was too short on an H200
+    bench 150 train-1b-64k train --model 1b --dtype bf16 --lengths 65536 --patterns s2,scca_flow,longmixed --warmup 1 --repeats 3
 }
 
 rest() {
