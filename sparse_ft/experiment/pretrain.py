@@ -106,13 +106,16 @@ def tokenizer_for(cfg: PretrainConfig):
 
 
 def retrieval_kinds(names: list[str]) -> list[str]:
-    """``names`` with ``all`` expanded to passkey and every registered RULER task."""
+    """``names`` with ``all`` expanded to passkey and every registered RULER task (the
+    training-only documents are asked for by name)."""
     from sparse_ft.evaluation.tasks.generation import registered_ruler_tasks
+    from sparse_ft.experiment.retrieval_docs import TRAINING_ONLY
 
     every = ["passkey", *registered_ruler_tasks()]
-    unknown = [n for n in names if n not in every and n != "all"]
+    unknown = [n for n in names if n not in every and n != "all" and n not in TRAINING_ONLY]
     if unknown:
-        raise ValueError(f"retrieval_tasks: {', '.join(map(repr, unknown))} unknown; allowed: {', '.join(every)} or all")
+        raise ValueError(f"retrieval_tasks: {', '.join(map(repr, unknown))} unknown; allowed: {', '.join(every + list(TRAINING_ONLY))} "
+                         "or all")
     return list(dict.fromkeys(k for n in names for k in (every if n == "all" else [n])))
 
 
@@ -381,7 +384,8 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="byte (the committed base's) or bpe (assets/tiny-bpe: RULER's prompts fit a 1,024-token context)")
     p.add_argument("--retrieval-tasks", type=lambda s: [t for t in s.split(",") if t], default=defaults.retrieval_tasks,
                    help="the kinds of retrieval document the corpus mixes in, when built here: passkey and/or RULER task "
-                        "names, comma-separated, or all (default: passkey)")
+                        "names, comma-separated, or all (passkey and every RULER task), and vt_drills (several variable-"
+                        "tracking chains, each asked and answered, training only) by name (default: passkey)")
     p.add_argument("--scheduler", choices=SCHEDULERS, default=defaults.scheduler,
                    help=f"lr after warmup: constant, or cosine to {defaults.min_lr_ratio:g} of --lr (default: {defaults.scheduler})")
     p.add_argument("--save-dtype", default=defaults.save_dtype, choices=dtypes.NAMES, help="dtype of the saved weights")

@@ -33,6 +33,7 @@ from collections import Counter
 from typing import Any, Iterable, Sequence
 
 from sparse_ft.evaluation.tasks.generation import Sample, split_template
+from sparse_ft.evaluation.tasks import variable_tracking
 from sparse_ft.evaluation.tasks.niah import SINGULAR, TEMPLATE, Niah
 from sparse_ft.evaluation.words import EVALUATION, Words
 
@@ -63,13 +64,13 @@ def training_words(texts: Iterable[str]) -> Words:
 
 
 def ruler_tasks(names: Sequence[str], tokenizer, words: Words) -> dict[str, Any]:
-    """The RULER tasks ``names`` (registered names) with their defaults, drawing ``words``, set
-    up for ``tokenizer`` (the essay haystack is set per document)."""
+    """The RULER tasks ``names`` (registered names, or :data:`TRAINING_ONLY`'s) with their
+    defaults, drawing ``words``, set up for ``tokenizer`` (the essay haystack is set per document)."""
     from sparse_ft.evaluation.tasks import TASKS
 
     built = {}
     for name in names:
-        task = built[name] = TASKS.get(name)
+        task = built[name] = TRAINING_ONLY[name]() if name in TRAINING_ONLY else TASKS.get(name)
         task.word_lists = words
         task.setup(tokenizer, ())
     return built
@@ -144,6 +145,41 @@ class Lookup(Niah):
 
     def reference(self, sample: Sample) -> str:
         return ""  # the answers are in the questions' text
+
+
+class VariableDrills(variable_tracking.VariableTracking):
+    """Training only, never registered: 2 to 4 chains of RULER's variable tracking (2 to 4
+    hops) among noise lines, then RULER's question for one chain's value with its answer, then
+    drills: the same question for every chain in turn and then chains at random, each answered,
+    over about ``DRILL_SHARE`` of what the chains and the least noise leave. A RULER ``vt``
+    document trains one value-to-variables lookup in a thousand tokens, and every base trained
+    on them answered vt with variables of the right form but not the prompt's (0.0 on every
+    seed): this one trains several, as :class:`Lookup` does for the needles."""
+
+    name = "vt_drills"
+
+    def __init__(self) -> None:
+        super().__init__(fewshot=False, tokens_to_generate=1)  # nothing is generated: the document fills its length
+
+    def compose(self, rng: random.Random, size: int, *, length: int) -> Sample:
+        hops, count = rng.choice((2, 3, 4, 4)), rng.randint(2, 4)
+        chains = self.chains(rng, count, hops)
+        # BPE tokens: the template's head 25, a noise line 38, an assignment 13, the question
+        # with its value twice 80, a variable in the answer 5
+        room = length - 25 - count * (hops + 1) * 13 - self.min_size * 38
+        drills = max(count, int(DRILL_SHARE * room) // (80 + 5 * (hops + 1)))
+        order = rng.sample(range(count), count) + rng.choices(range(count), k=drills - count)
+        head, _ = split_template(variable_tracking.TEMPLATE, self.hide(rng, chains, size), query="", num_v=0)
+        asked = [split_template(variable_tracking.TEMPLATE, "", query=chains[i][1], num_v=hops + 1)[1]
+                 + " " + " ".join(chains[i][0]) + "\n" for i in [rng.randrange(count), *order]]
+        return Sample(head, "".join(asked), ())
+
+    def reference(self, sample: Sample) -> str:
+        return ""  # the answers are in the questions' text
+
+
+# documents a corpus may mix in by name (``--retrieval-tasks``) that evaluation never asks: not in ``all``
+TRAINING_ONLY = {VariableDrills.name: VariableDrills}
 
 
 def copy_document(tokenizer, max_tokens: int, rng: random.Random, *, words: Sequence[str],

@@ -223,3 +223,45 @@ def test_lookup_documents_drill_every_needle_and_answer_it(tmp_path):
     manifest = build_corpus(tmp_path, bpe, context=1024, retrieval_fraction=0.0, lookup_fraction=0.5, modules=MODULES,
                             val_percent=_val_percent(), max_blocks=40)
     assert 10 < manifest["lookup_blocks"] < 30 and manifest["lookup_fraction"] == 0.5
+
+
+def test_variable_drills_ask_every_chain_and_answer_it_with_its_variables(tmp_path):
+    """A vt_drills document hides 2 to 4 chains of RULER's assignments among noise lines, then
+    asks RULER's question for their values: every chain asked at least once, every answer the
+    variables of the chain the value starts, in chain order, so no drill is answerable but by
+    following the chain; it fits its block. ``--retrieval-tasks`` takes it by name, ``all``
+    (RULER's tasks) leaves it out, and a corpus built with it opens blocks with one."""
+    import re
+
+    from sparse_ft.experiment.pretrain import retrieval_kinds
+    from sparse_ft.experiment.retrieval_docs import VariableDrills, retrieval_document
+    from sparse_ft.experiment.tokenizer import TOKENIZER_DIR
+    from sparse_ft.modeling.model_io import load_tokenizer
+
+    bpe = load_tokenizer(str(TOKENIZER_DIR))
+    drills = VariableDrills()
+    drills.setup(bpe, ())
+    rng, counts = random.Random(5), set()
+    for index in range(10):
+        ids = retrieval_document(drills, bpe, 1023, rng, seed=f"pretrain:0:{index}", essay=[], full=index % 2 == 0)
+        assert len(ids) <= 1023
+        text = bpe.decode(ids)
+        assigned = dict(re.findall(r"VAR ([A-Z]{5}) = (\d+|VAR [A-Z]{5})", text))
+        chains = {}
+        for name, value in assigned.items():
+            if value.isdigit():
+                chain, last = [name], name
+                while (after := [n for n, v in assigned.items() if v == f"VAR {last}"]):
+                    last = after[0]
+                    chain.append(last)
+                chains[value] = chain
+        asked = re.findall(r"assigned the value (\d+), they are: +([A-Z ]+)\n", text)
+        assert {value for value, _ in asked} == set(chains) and len(asked) > len(chains)
+        assert all(names.split() == chains[value] for value, names in asked)
+        assert text.startswith("Memorize and track the chain(s)") and "Question: Find all variables" in text
+        counts.add(len(chains))
+    assert counts == {2, 3, 4}
+    assert "vt_drills" not in retrieval_kinds(["all"]) and retrieval_kinds(["vt_drills", "cwe"]) == ["vt_drills", "cwe"]
+    manifest = build_corpus(tmp_path, bpe, context=1024, retrieval_fraction=1.0, retrieval_tasks=["vt_drills"], modules=MODULES,
+                            val_percent=_val_percent(), max_blocks=3)
+    assert manifest["retrieval_blocks"] == {"vt_drills": 3}

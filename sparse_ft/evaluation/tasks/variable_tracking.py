@@ -62,25 +62,33 @@ class VariableTracking(GenerationTask):
         """Context, question and answer of a prompt with ``size`` noise lines; an example has
         3-letter variables and at most 10 hops, as RULER's."""
         hops = min(10, self.num_hops) if example else self.num_hops
+        chains = self.chains(rng, self.num_chains, hops, letters=3 if example else 5)
+        context, question = split_template(TEMPLATE, self.hide(rng, chains, size), query=chains[0][1], num_v=hops + 1)
+        return context, question, chains[0][0]
+
+    @staticmethod
+    def chains(rng: random.Random, count: int, hops: int, *, letters: int = 5) -> list[tuple[tuple[str, ...], str]]:
+        """``count`` chains of ``hops`` assignments: each chain's variables (distinct across
+        chains, never ``VAR``) and the value its first one is assigned."""
         names: list[str] = []
-        while len(names) < self.num_chains * (hops + 1):
-            name = "".join(rng.choices(string.ascii_uppercase, k=3 if example else 5))
+        while len(names) < count * (hops + 1):
+            name = "".join(rng.choices(string.ascii_uppercase, k=letters))
             if name not in names and name != "VAR":
                 names.append(name)
-        chains = []
-        for first in range(0, len(names), hops + 1):
-            chain = names[first:first + hops + 1]
-            chains.append([f"VAR {chain[0]} = {rng.randint(10000, 99999)}"] +
-                          [f"VAR {chain[j + 1]} = VAR {chain[j]} " for j in range(hops)])
+        return [(tuple(names[first:first + hops + 1]), str(rng.randint(10000, 99999))) for first in range(0, len(names), hops + 1)]
+
+    @staticmethod
+    def hide(rng: random.Random, chains: Sequence[tuple[tuple[str, ...], str]], size: int) -> str:
+        """``chains``' assignments, ``VAR A = value`` then ``VAR B = VAR A`` ..., each chain in
+        order at random places among ``size`` noise lines."""
         from sparse_ft.evaluation.passkey_prompt import FILLER  # RULER's noise: landmark's passkey filler
 
         lines = [FILLER] * size
-        for chain in chains:
+        for names, value in chains:
+            chain = [f"VAR {names[0]} = {value}"] + [f"VAR {names[j + 1]} = VAR {names[j]} " for j in range(len(names) - 1)]
             for offset, position in enumerate(sorted(rng.sample(range(len(lines)), len(chain)))):
                 lines.insert(position + offset, chain[offset])
-        value = chains[0][0].split("=")[-1].strip()
-        context, question = split_template(TEMPLATE, "\n".join(lines).replace(". \n", ".\n"), query=value, num_v=hops + 1)
-        return context, question, tuple(names[:hops + 1])
+        return "\n".join(lines).replace(". \n", ".\n")
 
     def compose(self, rng: random.Random, size: int, *, length: int) -> Sample:
         shot = ""
