@@ -268,3 +268,19 @@ def test_a_tokenizer_that_cannot_encode_a_prompt_and_a_base_of_unknown_context_a
                                          r"pretraining context is unknown"):
         TASKS.factory("ruler")([1024], ["niah_single_1"]).check_model(SimpleNamespace())
     assert original_context(SimpleNamespace(max_position_embeddings=256)) == 256
+
+
+@pytest.mark.parametrize("chains,digest", [(1, "c7c45c5b0908d1e293d8657efb5e4159cc4f637c3e5d6c129a0bd6245a4d43de"),
+                                           (2, "7c0c7c4f520496f57144d66ea5c7666cf7b288411efbf5b54749a0fc212f4bfb")])
+def test_variable_tracking_prompts_stay_byte_for_byte_what_they_were(chains, digest):
+    """vt's prompt for a seed is pinned: the digests are of the prompts the code wrote before its
+    chains and their hiding became reusable steps (shared with the training-only vt drills), so
+    that change, or any later one, cannot move the evaluation's prompts and the scores measured
+    on them."""
+    import hashlib
+
+    from sparse_ft.evaluation.tasks.variable_tracking import VariableTracking
+
+    sample = VariableTracking(fewshot=False, num_chains=chains).compose(random.Random(7), 6, length=1024)
+    text = sample.context + "|" + sample.question + "|" + " ".join(sample.answers)
+    assert hashlib.sha256(text.encode()).hexdigest() == digest
