@@ -384,8 +384,9 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="byte (the committed base's) or bpe (assets/tiny-bpe: RULER's prompts fit a 1,024-token context)")
     p.add_argument("--retrieval-tasks", type=lambda s: [t for t in s.split(",") if t], default=defaults.retrieval_tasks,
                    help="the kinds of retrieval document the corpus mixes in, when built here: passkey and/or RULER task "
-                        "names, comma-separated, or all (passkey and every RULER task), and vt_drills (several variable-"
-                        "tracking chains, each asked and answered, training only) by name (default: passkey)")
+                        "names, comma-separated, or all (passkey and every RULER task); and by name, training only, "
+                        "vt_drills (several variable-tracking chains, each asked and answered) and cwe_drills (several "
+                        "common-words lists, each asked and answered) (default: passkey)")
     p.add_argument("--scheduler", choices=SCHEDULERS, default=defaults.scheduler,
                    help=f"lr after warmup: constant, or cosine to {defaults.min_lr_ratio:g} of --lr (default: {defaults.scheduler})")
     p.add_argument("--save-dtype", default=defaults.save_dtype, choices=dtypes.NAMES, help="dtype of the saved weights")

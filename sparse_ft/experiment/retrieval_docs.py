@@ -26,6 +26,7 @@ The numbers matter: a base whose spans were words only copied words and not a pa
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import random
 import re
@@ -33,7 +34,7 @@ from collections import Counter
 from typing import Any, Iterable, Sequence
 
 from sparse_ft.evaluation.tasks.generation import Sample, split_template
-from sparse_ft.evaluation.tasks import variable_tracking
+from sparse_ft.evaluation.tasks import common_words, variable_tracking
 from sparse_ft.evaluation.tasks.niah import SINGULAR, TEMPLATE, Niah
 from sparse_ft.evaluation.words import EVALUATION, Words
 
@@ -178,8 +179,62 @@ class VariableDrills(variable_tracking.VariableTracking):
         return ""  # the answers are in the questions' text
 
 
+@functools.lru_cache(maxsize=4)
+def every_word(words: Words) -> tuple[str, ...]:
+    """``words``' single words, then the halves of its keys, each once."""
+    return tuple(dict.fromkeys(words.single + tuple(part for key in words.keys for part in key.split("-"))))
+
+
+class CommonWordsDrills(common_words.CommonWords):
+    """Training only, never registered: RULER's common-words question asked of numbered lists
+    one after another, each answered in RULER's words. A list has ``num_cw`` + 2 to 20 words
+    (RULER's example has 20; its own list at 1,024 BPE tokens 14 to 21), the common ones listed
+    3 times (as in the example) or 6 (as in its lists below 4,096 tokens) and the others once.
+
+    Its words are the training words (single words and the keys' halves) that the tokenizer
+    writes in two tokens or more. The evaluation's are such words (91 % of them with the
+    committed BPE tokenizer), and answering with one means copying its pieces in order; RULER's
+    ``cwe`` documents drew the most frequent training words, 82 % of them one token each, and
+    every base trained on those answered cwe with training words not in the list (0.0 on every
+    seed). A full block of 1,024 BPE tokens holds two lists."""
+
+    name = "cwe_drills"
+    unit = "lists"
+    max_size = 64  # lists: more than any context this tiny base is pretrained at holds
+
+    def __init__(self) -> None:
+        super().__init__(num_fewshot=0, tokens_to_generate=1)  # nothing is generated: the document fills its length
+        self.words: tuple[str, ...] = ()
+
+    @property
+    def min_size(self) -> int:
+        return 1
+
+    def setup(self, tokenizer: Any, essay: Sequence[str]) -> None:
+        from sparse_ft.evaluation.prompt_tokens import token_ids
+
+        self.words = tuple(w for w in every_word(self.word_lists) if len(token_ids(tokenizer, " " + w)) > 1)
+        if len(self.words) < self.num_cw + 20:
+            raise ValueError(f"{self.name}: {len(self.words)} training words take two tokens or more with this tokenizer; "
+                             f"a list needs {self.num_cw + 20}")
+
+    def pool(self, count: int) -> tuple[str, ...]:
+        return self.words
+
+    def compose(self, rng: random.Random, size: int, *, length: int) -> Sample:
+        lists = []
+        for _ in range(size):
+            context, answer = self.listing(rng, self.num_cw + rng.randint(2, 20), rng.choice((3, 6)), 1)
+            head, question = split_template(common_words.TEMPLATE, context, num_cw=self.num_cw)
+            lists.append(head + question + " " + common_words.numbered(answer) + "\n")
+        return Sample("".join(lists), "", ())
+
+    def reference(self, sample: Sample) -> str:
+        return ""  # the answers are in the document's text
+
+
 # documents a corpus may mix in by name (``--retrieval-tasks``) that evaluation never asks: not in ``all``
-TRAINING_ONLY = {VariableDrills.name: VariableDrills}
+TRAINING_ONLY = {task.name: task for task in (VariableDrills, CommonWordsDrills)}
 
 
 def copy_document(tokenizer, max_tokens: int, rng: random.Random, *, words: Sequence[str],

@@ -885,7 +885,7 @@ CLI_CASES = {
         r"--full-fraction 1.5 must be within \[0, 1\]"),
     "pretrain with an unknown retrieval task": (
         ["pretrain", "--retrieval-tasks", "passkey,nope", "--corpus", "OUT/c", "--output", "OUT/p"], None,
-        r"retrieval_tasks: 'nope' unknown; allowed: passkey, niah_single_1, .*, fwe, vt_drills or all"),
+        r"retrieval_tasks: 'nope' unknown; allowed: passkey, niah_single_1, .*, fwe, vt_drills, cwe_drills or all"),
     "pretrain on a corpus of another tokenizer": (
         ["pretrain", "--tokenizer", "bpe", "--corpus", "DATA", "--output", "OUT/p", "--steps", "1"],
         lambda tmp, adapter: _write(tmp / "c" / "corpus.json", '{"dtype": "uint16", "context": 256}').parent,

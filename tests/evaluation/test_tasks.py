@@ -284,3 +284,19 @@ def test_variable_tracking_prompts_stay_byte_for_byte_what_they_were(chains, dig
     sample = VariableTracking(fewshot=False, num_chains=chains).compose(random.Random(7), 6, length=1024)
     text = sample.context + "|" + sample.question + "|" + " ".join(sample.answers)
     assert hashlib.sha256(text.encode()).hexdigest() == digest
+
+
+@pytest.mark.parametrize("size,length,digest", [
+    (40, 1024, "adf7b898dab8141dc3ba809646ce7a7599196ec6f8dca41fbe77d8b9f604242b"),
+    (200, 4096, "ec2c7f53c052a33afda5bf3fb3e927616db41ea917befad9fa50fe39e2fe35fc"),
+    (900, 32768, "4cee11385697a160c8a70c4d8e89e776dd2b27274be977c96a87ab51807ee2d0")])  # 900: the keys extend the words
+def test_common_words_prompts_stay_byte_for_byte_what_they_were(size, length, digest):
+    """cwe's prompt for a seed is pinned as vt's is: the digests are of the prompts written
+    before its word pool and listing became steps that the training-only cwe drills reuse."""
+    import hashlib
+
+    from sparse_ft.evaluation.tasks.common_words import CommonWords
+
+    sample = CommonWords().compose(random.Random(7), size, length=length)
+    text = sample.context + "|" + sample.question + "|" + " ".join(sample.answers)
+    assert hashlib.sha256(text.encode()).hexdigest() == digest

@@ -5,6 +5,7 @@ training word lists; bad arguments named."""
 
 import hashlib
 import random
+from collections import Counter
 
 import pytest
 
@@ -265,3 +266,51 @@ def test_variable_drills_ask_every_chain_and_answer_it_with_its_variables(tmp_pa
     manifest = build_corpus(tmp_path, bpe, context=1024, retrieval_fraction=1.0, retrieval_tasks=["vt_drills"], modules=MODULES,
                             val_percent=_val_percent(), max_blocks=3)
     assert manifest["retrieval_blocks"] == {"vt_drills": 3}
+
+
+def test_common_words_drills_answer_each_list_with_its_ten_most_listed_words(tmp_path):
+    """A cwe_drills document asks RULER's common-words question of one list after another: each
+    answer names exactly the ten words listed most (3 or 6 times, the others once), every word
+    one the tokenizer writes in two tokens or more and none of the evaluation's; a full block
+    holds two lists, most often. ``all`` leaves it out, a corpus built with it opens blocks with one, and a
+    tokenizer that writes every word whole is refused by name."""
+    import re
+
+    from sparse_ft.evaluation.words import EVALUATION
+    from sparse_ft.experiment.pretrain import retrieval_kinds
+    from sparse_ft.experiment.retrieval_docs import CommonWordsDrills, retrieval_document, ruler_tasks, training_words
+    from sparse_ft.experiment.tokenizer import TOKENIZER_DIR
+    from sparse_ft.modeling.model_io import load_tokenizer
+
+    bpe = load_tokenizer(str(TOKENIZER_DIR))
+    words = training_words(iter_stdlib_documents(MODULES))
+    drills = ruler_tasks(["cwe_drills"], bpe, words)["cwe_drills"]
+    assert drills.words and all(len(bpe(" " + w, add_special_tokens=False)["input_ids"]) > 1 for w in drills.words)
+    rng, lists = random.Random(3), []
+    for index in range(8):
+        full = index % 2 == 0
+        ids = retrieval_document(drills, bpe, 1023, rng, seed=f"pretrain:0:{index}", essay=[], full=full)
+        assert len(ids) <= 1023
+        for listed, answered in re.findall(r"most often\.\n(.*?)\nQuestion: .*? are: (.*?)\n", bpe.decode(ids)):
+            counts = Counter(re.findall(r"\d+\. (\S+)", listed))
+            answer = re.findall(r"\d+\. (\S+)", answered)
+            assert len(answer) == 10 and {counts[w] for w in answer} in ({3}, {6})
+            assert set(counts) - set(answer) and {counts[w] for w in set(counts) - set(answer)} == {1}
+            assert not set(counts) & set(EVALUATION.single) and set(counts) <= set(drills.words)
+            lists.append(full)
+    assert lists.count(True) > 4 and lists.count(False) >= 4  # a full block holds two lists, most often
+    assert "cwe_drills" not in retrieval_kinds(["all"])
+    manifest = build_corpus(tmp_path, bpe, context=1024, retrieval_fraction=1.0, retrieval_tasks=["cwe_drills"], modules=MODULES,
+                            val_percent=_val_percent(), max_blocks=3)
+    assert manifest["retrieval_blocks"] == {"cwe_drills": 3}
+    whole = CommonWordsDrills()
+    whole.word_lists = words
+    with pytest.raises(ValueError, match=r"cwe_drills: 0 training words take two tokens or more with this tokenizer; a list needs 30"):
+        whole.setup(_WholeWords(), ())
+
+
+class _WholeWords:
+    """A tokenizer that writes every word as one id."""
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
+        return {"input_ids": [hash(w) % 1000 for w in text.split()]}

@@ -54,9 +54,16 @@ class CommonWords(GenerationTask):
         """Every word it draws from, each listed once at least."""
         return len(self.word_lists.pool)
 
-    def _listing(self, rng: random.Random, count: int, common: int, other: int) -> tuple[str, list[str]]:
+    def pool(self, count: int) -> tuple[str, ...]:
+        """What a list of ``count`` distinct words draws from: the single words, and the keys too
+        when the single words are too few."""
         words = self.word_lists
-        chosen = rng.sample(words.single if count <= len(words.single) else words.pool, count)
+        return words.single if count <= len(words.single) else words.pool
+
+    def listing(self, rng: random.Random, count: int, common: int, other: int) -> tuple[str, list[str]]:
+        """A numbered list of ``count`` words drawn from :meth:`pool`, the first ``num_cw`` of
+        them listed ``common`` times and the rest ``other`` times, shuffled; and those first."""
+        chosen = rng.sample(self.pool(count), count)
         listed = chosen[:self.num_cw] * common + chosen[self.num_cw:] * other
         rng.shuffle(listed)
         return numbered(listed), chosen[:self.num_cw]
@@ -64,10 +71,10 @@ class CommonWords(GenerationTask):
     def compose(self, rng: random.Random, size: int, *, length: int) -> Sample:
         shots = ""
         for _ in range(self.num_fewshot):
-            context, answer = self._listing(rng, *EXAMPLE_WORDS[length >= LONG])
+            context, answer = self.listing(rng, *EXAMPLE_WORDS[length >= LONG])
             shots += "".join(split_template(TEMPLATE, context, num_cw=self.num_cw)) + " " + numbered(answer) + "\n"
         repeats = (self.freq_cw, self.freq_ucw) if length >= LONG else (6, 1)
-        context, answer = self._listing(rng, size, *repeats)
+        context, answer = self.listing(rng, size, *repeats)
         head, question = split_template(TEMPLATE, context, num_cw=self.num_cw)
         return Sample(shots + head, question, tuple(answer))
 
