@@ -1,6 +1,6 @@
 """scripts/cwe_answer_choice.py sorts each word a base writes into a cwe answer slot by whole
-words: a base that writes one common word everywhere lands on "common", one that writes a word
-of the list sharing only its first token with a common word does not."""
+words: a base that writes one common word everywhere lands on "common", and one that writes a
+word missing from the list, whose first token starts a common word, lands on "no listed word"."""
 
 import sys
 from pathlib import Path
