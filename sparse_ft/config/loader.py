@@ -249,10 +249,11 @@ def format_recipe(recipe: Recipe) -> str:
     return yaml.safe_dump(recipe.to_dict(), sort_keys=False)
 
 
-def summarize_recipe(recipe: Recipe, steps: int, samples: int) -> str:
+def summarize_recipe(recipe: Recipe, steps: int, samples: int, *, adapters: bool = True) -> str:
     """A run's recipe in five lines, what a run prints (the whole of it is in
-    ``recipe.resolved.yaml``): the model and its length, the pattern, LoRA, the data and the
-    steps, where it writes."""
+    ``recipe.resolved.yaml``): the model and its length, the pattern, LoRA (or, ``adapters``
+    False, every weight: pretraining, whose recipe keeps the lora section's defaults unused), the
+    data and the steps, where it writes."""
     m, a, lora, d, t = recipe.model, recipe.attention, recipe.lora, recipe.data, recipe.train
     params = f" {yaml.safe_dump(a.params, default_flow_style=True).strip()}" if a.params else ""
     trained = f" + {', '.join(lora.extra_trainable)} in full" if lora.extra_trainable else ""
@@ -260,7 +261,8 @@ def summarize_recipe(recipe: Recipe, steps: int, samples: int) -> str:
         f"recipe {recipe.name}: {display_name(m.name_or_path)} ({m.dtype}) extended to {m.target_length} tokens, "
         f"RoPE {m.rope_method}",
         f"  attention {a.pattern}{params}, backend {a.backend or 'sdpa'}{_dense(recipe, steps)}; "
-        f"LoRA r={lora.r} alpha={lora.alpha} on {', '.join(lora.target_modules)}{trained}",
+        + (f"LoRA r={lora.r} alpha={lora.alpha} on {', '.join(lora.target_modules)}{trained}" if adapters
+           else "every weight trained, no adapters"),
         f"  data {d.source}: {samples} samples of {recipe.seq_len} tokens "
         f"({d.packing if d.format == 'text' else d.format + ' rows whole, padding_free, loss on the answers'})",
         f"  {steps} steps of {t.per_device_batch_size} x {t.gradient_accumulation_steps} samples per process, "

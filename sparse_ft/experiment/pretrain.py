@@ -287,7 +287,8 @@ def save(model, tokenizer, stats: dict, output: Path, *, save_dtype: str, overwr
 def pretrain(cfg: PretrainConfig, corpus: Path = CORPUS_DIR, output: Path = ASSET_DIR, progress: bool = True,
              *, init_from: Optional[Path] = None, retrieval_fraction: Optional[float] = None,
              max_blocks: Optional[int] = None, text_passes: int = 1, copy_fraction: float = 0.0,
-             full_fraction: float = 0.0, lookup_fraction: float = 0.0, overwrite: bool = False) -> dict:
+             full_fraction: float = 0.0, lookup_fraction: float = 0.0, copy_pieces: float = 0.0,
+             overwrite: bool = False) -> dict:
     """Build the corpus if missing, train, evaluate, save; returns the stats written (with the
     stats of ``init_from``'s training under ``previous_phase``). ``output`` is checked first:
     apart from the inputs, and an earlier output of this command only with ``overwrite``."""
@@ -314,6 +315,11 @@ def pretrain(cfg: PretrainConfig, corpus: Path = CORPUS_DIR, output: Path = ASSE
                          + (" - --lookup-fraction]" if lookup_fraction else "]"))
     if not 0 <= full_fraction <= 1:
         raise ValueError(f"--full-fraction {full_fraction} must be within [0, 1]")
+    if not 0 <= copy_pieces <= 1:
+        raise ValueError(f"--copy-pieces {copy_pieces} must be within [0, 1]")
+    if copy_pieces and not copy_fraction:
+        raise ValueError(f"--copy-pieces {copy_pieces} is a share of the copy documents; --copy-fraction 0 draws none "
+                         "(set --copy-fraction above 0)")
     if init_from is not None and cfg.max_positions:
         raise ValueError(f"--max-positions {cfg.max_positions} sets a fresh model's window; with --init-from the "
                          "checkpoint's own is kept (omit one of them)")
@@ -329,16 +335,16 @@ def pretrain(cfg: PretrainConfig, corpus: Path = CORPUS_DIR, output: Path = ASSE
         build_corpus(corpus, tokenizer, context=cfg.context, seed=cfg.seed, max_blocks=max_blocks,
                      retrieval_fraction=retrieval_fraction,
                      retrieval_tasks=kinds, text_passes=text_passes, copy_fraction=copy_fraction,
-                     full_fraction=full_fraction, lookup_fraction=lookup_fraction)
+                     full_fraction=full_fraction, lookup_fraction=lookup_fraction, copy_pieces=copy_pieces)
     else:  # a corpus built for other settings would train, silently, on other tokens
         try:
             built = dict(json.loads((corpus / "corpus.json").read_text()))
         except (ValueError, TypeError):  # not a manifest: load_blocks says so, naming the file
             built = {}
         want = {"tokenizer": type(tokenizer).__name__, "retrieval_tasks": kinds, "copy_fraction": copy_fraction,
-                "full_fraction": full_fraction, "lookup_fraction": lookup_fraction}
+                "full_fraction": full_fraction, "lookup_fraction": lookup_fraction, "copy_pieces": copy_pieces}
         before = {"tokenizer": "ByT5Tokenizer", "retrieval_tasks": ["passkey"], "copy_fraction": 0.0,
-                  "full_fraction": 0.0, "lookup_fraction": 0.0}  # corpora built before these keys
+                  "full_fraction": 0.0, "lookup_fraction": 0.0, "copy_pieces": 0.0}  # corpora built before these keys
         wrong = {k: built.get(k, before[k]) for k in want if built.get(k, before[k]) != want[k]}
         if wrong:
             raise ValueError(f"--corpus {corpus} was built with {wrong}, these settings need "
@@ -385,8 +391,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--retrieval-tasks", type=lambda s: [t for t in s.split(",") if t], default=defaults.retrieval_tasks,
                    help="the kinds of retrieval document the corpus mixes in, when built here: passkey and/or RULER task "
                         "names, comma-separated, or all (passkey and every RULER task); and by name, training only, "
-                        "vt_drills (several variable-tracking chains, each asked and answered) and cwe_drills (several "
-                        "common-words lists, each asked and answered) (default: passkey)")
+                        "vt_drills (several variable-tracking chains, each asked and answered), cwe_drills (several "
+                        "common-words lists, each asked and answered) and cwe_pseudo_drills (the same of made-up words) "
+                        "(default: passkey)")
     p.add_argument("--scheduler", choices=SCHEDULERS, default=defaults.scheduler,
                    help=f"lr after warmup: constant, or cosine to {defaults.min_lr_ratio:g} of --lr (default: {defaults.scheduler})")
     p.add_argument("--save-dtype", default=defaults.save_dtype, choices=dtypes.NAMES, help="dtype of the saved weights")
@@ -400,6 +407,10 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--copy-fraction", type=float, default=0.0,
                    help="when the corpus is built here: share of blocks that open with a copy document (text, then "
                         "a span of words repeated to its end: the dense signal that forms copy heads); default 0")
+    p.add_argument("--copy-pieces", type=float, default=0.0,
+                   help="when the corpus is built here: share of the copy documents whose span is ids drawn from every "
+                        "id of the training text instead of words and numbers (copying made generic: copy heads formed "
+                        "on words copy no word unseen in training); default 0")
     p.add_argument("--lookup-fraction", type=float, default=0.0,
                    help="when the corpus is built here: share of blocks that open with a lookup document (needles, "
                         "one key asked, then every key and keys at random drilled, each answered: the signal for matching a key); "
@@ -423,7 +434,8 @@ def run(args) -> int:
     cfg = PretrainConfig(**{k: v for k, v in vars(args).items() if k in keys})
     stats = pretrain(cfg, args.corpus, args.output, init_from=args.init_from, retrieval_fraction=args.retrieval_fraction,
                      max_blocks=args.max_blocks, text_passes=args.text_passes, copy_fraction=args.copy_fraction,
-                     full_fraction=args.full_fraction, lookup_fraction=args.lookup_fraction, overwrite=args.overwrite)
+                     full_fraction=args.full_fraction, lookup_fraction=args.lookup_fraction, copy_pieces=args.copy_pieces,
+                     overwrite=args.overwrite)
     ev = stats["evaluation"]
     print(f"{stats['tokens']} tokens, {stats['steps']} steps in {stats['train_seconds']:.0f} s; final loss "
           f"{stats['final_loss']:.3f}; val PPL@{cfg.context} {ev['val_ppl']:.3f}; passkey accuracy "

@@ -30,6 +30,7 @@ import functools
 import math
 import random
 import re
+import string
 from collections import Counter
 from typing import Any, Iterable, Sequence
 
@@ -233,23 +234,62 @@ class CommonWordsDrills(common_words.CommonWords):
         return ""  # the answers are in the document's text
 
 
+class PseudoWordsDrills(CommonWordsDrills):
+    """Training only: :class:`CommonWordsDrills` on made-up words, a piece that starts a word and
+    one to three that continue one, drawn from the tokenizer's own lowercase pieces (the
+    evaluation's words are written so: " sweater" is " s", "we", "ater"). Drilled on training
+    words, a base wrote the ten common words about half the time on new lists of those words and
+    never on the evaluation's: it had learned the words, not to copy from the list. With thousands
+    of words each seen in a few lists, copying a listed word's pieces is the only answer."""
+
+    name = "cwe_pseudo_drills"
+    count = 20_000
+
+    def setup(self, tokenizer: Any, essay: Sequence[str]) -> None:
+        from sparse_ft.evaluation.prompt_tokens import token_ids
+
+        pieces = [tokenizer.decode([i]) for i in range(len(tokenizer))]
+        starts = [p[1:] for p in pieces if re.fullmatch(" [a-z]{1,3}", p)]
+        follows = [p for p in pieces if re.fullmatch("[a-z]{1,4}", p)]
+        if not starts or not follows:
+            raise ValueError(f"{self.name}: the tokenizer has no short lowercase pieces that start a word (' ab') and "
+                             "continue one ('ab'); made-up words need both")
+        rng, taken, words = random.Random(self.name), set(every_word(EVALUATION)), set()
+        while len(words) < self.count:  # the evaluation's words: 3 to 10 letters, 2 to 4 tokens
+            word = rng.choice(starts) + "".join(rng.choices(follows, k=rng.randint(1, 3)))
+            if 3 <= len(word) <= 10 and word not in taken and 2 <= len(token_ids(tokenizer, " " + word)) <= 4:
+                words.add(word)
+        self.words = tuple(sorted(words))
+
+
 # documents a corpus may mix in by name (``--retrieval-tasks``) that evaluation never asks: not in ``all``
-TRAINING_ONLY = {task.name: task for task in (VariableDrills, CommonWordsDrills)}
+TRAINING_ONLY = {task.name: task for task in (VariableDrills, CommonWordsDrills, PseudoWordsDrills)}
 
 
 def copy_document(tokenizer, max_tokens: int, rng: random.Random, *, words: Sequence[str],
-                  essay: Sequence[str], full: bool = False) -> list[int]:
+                  essay: Sequence[str], full: bool = False, pieces: Sequence[int] = ()) -> list[int]:
     """Token ids of essay text, then a span of random ``words`` and numbers (half each, 1 to 7
     digits: the keys and values the evaluation asks for) repeated to the end: ``max_tokens / 4``
     to ``max_tokens`` tokens, the span from 4 tokens to half of them (log-uniform, so that short
     spans repeated many times are as common as long ones repeated twice), so that most of the
     document is predictable by copying, from every distance the context allows. ``full``: exactly
-    ``max_tokens`` tokens."""
+    ``max_tokens`` tokens. ``pieces``: the span is ids drawn uniformly from these and names of 3
+    to 5 random capital letters (half each) instead, any token after any other (copy heads formed
+    on words copied only the words trained on: none of the evaluation's unseen words, written in
+    pieces never seen in that order) and runs of a few letters repeated across the span (vt's
+    variables: a base copying random ids still wrote no variable's letters after its first)."""
     length = max_tokens if full else rng.randint(max_tokens // 4 + 1, max_tokens)
     span = max(4, int(math.exp(rng.uniform(math.log(4), math.log(max(4, length // 2))))))
-    items = (rng.choice(words) if rng.random() < 0.5 else str(rng.randrange(10 ** rng.randint(1, 7))) for _ in range(span))
-    draws = " " + " ".join(items)  # a word or number is at least one token
-    ids = tokenizer(draws, add_special_tokens=False)["input_ids"][:span]
+    if pieces:
+        ids = []
+        while len(ids) < span:
+            name = " " + "".join(rng.choices(string.ascii_uppercase, k=rng.randint(3, 5)))
+            ids += [rng.choice(pieces)] if rng.random() < 0.5 else tokenizer(name, add_special_tokens=False)["input_ids"]
+        ids = ids[:span]
+    else:
+        items = (rng.choice(words) if rng.random() < 0.5 else str(rng.randrange(10 ** rng.randint(1, 7))) for _ in range(span))
+        draws = " " + " ".join(items)  # a word or number is at least one token
+        ids = tokenizer(draws, add_special_tokens=False)["input_ids"][:span]
     text = rng.randint(0, length - 2 * len(ids))
     start = rng.randrange(max(1, len(essay) - text))
     filler = tokenizer(" " + " ".join(essay[start : start + text]), add_special_tokens=False)["input_ids"][:text]

@@ -27,6 +27,7 @@ class Pretrainer(Trainer):
 
     # its run directory is temporary: a checkpoint saved on a signal would not outlive the call
     stops_on_signals = False
+    trains_adapters = False
 
     def __init__(self, recipe: Recipe, blocks: np.ndarray, progress: bool = True) -> None:
         super().__init__(recipe, progress)

@@ -79,6 +79,7 @@ class Trainer:
 
     # SIGTERM / SIGINT finish the step, save a checkpoint and stop (``sparse_ft.train.stopping``)
     stops_on_signals = True
+    trains_adapters = True  # LoRA on a frozen base; the Pretrainer trains every weight
 
     def __init__(self, recipe: Recipe, progress: bool = True) -> None:
         self.recipe = recipe
@@ -193,7 +194,7 @@ class Trainer:
         self.dense_from = dense_tail_start(t.dense_final_fraction, self.steps)  # the dense tail's first step (0-based)
         if self.rank == 0:  # the run is on: a resume refused until here leaves the directory as it was
             save_resolved(self.recipe, self.out)
-            console.say(summarize_recipe(self.recipe, self.steps, len(self.dataset)))
+            console.say(summarize_recipe(self.recipe, self.steps, len(self.dataset), adapters=self.trains_adapters))
             console.say(format_recipe(self.recipe), console.VERBOSE)
 
     def resume_position(self) -> tuple[int, DataPosition]:

@@ -26,6 +26,8 @@ def test_the_summary_is_five_lines_naming_what_a_run_does():
     for said in ("tiny (random weights) (float32) extended to 512 tokens, RoPE linear", "attention scca_flow {chunks: 4}", "LoRA r=8",
                  "21 samples of 512 tokens", "8 steps", "output runs/x", "recipe.resolved.yaml"):
         assert any(said in line for line in lines), said
+    pretraining = summarize_recipe(recipe, steps=8, samples=21, adapters=False).splitlines()
+    assert "every weight trained, no adapters" in pretraining[1] and "LoRA" not in "".join(pretraining)
 
 
 @pytest.mark.slow

@@ -883,9 +883,15 @@ CLI_CASES = {
     "pretrain share of full documents above 1": (
         ["pretrain", "--full-fraction", "1.5", "--corpus", "OUT/c", "--output", "OUT/p"], None,
         r"--full-fraction 1.5 must be within \[0, 1\]"),
+    "pretrain share of piece copies above 1": (
+        ["pretrain", "--copy-fraction", "0.3", "--copy-pieces", "1.5", "--corpus", "OUT/c", "--output", "OUT/p"], None,
+        r"--copy-pieces 1.5 must be within \[0, 1\]"),
+    "pretrain piece copies without copy documents": (
+        ["pretrain", "--copy-pieces", "0.5", "--corpus", "OUT/c", "--output", "OUT/p"], None,
+        r"--copy-pieces 0.5 is a share of the copy documents; --copy-fraction 0 draws none \(set --copy-fraction above 0\)"),
     "pretrain with an unknown retrieval task": (
         ["pretrain", "--retrieval-tasks", "passkey,nope", "--corpus", "OUT/c", "--output", "OUT/p"], None,
-        r"retrieval_tasks: 'nope' unknown; allowed: passkey, niah_single_1, .*, fwe, vt_drills, cwe_drills or all"),
+        r"retrieval_tasks: 'nope' unknown; allowed: passkey, niah_single_1, .*, fwe, vt_drills, cwe_drills, cwe_pseudo_drills or all"),
     "pretrain on a corpus of another tokenizer": (
         ["pretrain", "--tokenizer", "bpe", "--corpus", "DATA", "--output", "OUT/p", "--steps", "1"],
         lambda tmp, adapter: _write(tmp / "c" / "corpus.json", '{"dtype": "uint16", "context": 256}').parent,

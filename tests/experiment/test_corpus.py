@@ -5,6 +5,7 @@ training word lists; bad arguments named."""
 
 import hashlib
 import random
+import string
 from collections import Counter
 
 import pytest
@@ -158,6 +159,30 @@ def test_copy_documents_repeat_a_span_of_training_words_and_numbers_after_text(c
         build_corpus(tmp_path / "x", tokenizer, context=256, retrieval_fraction=0.5, copy_fraction=0.6, modules=MODULES)
 
 
+def test_piece_copies_repeat_a_span_of_any_training_ids(corpus, tokenizer, tmp_path):
+    """With copy_pieces 1 every copy document repeats a span of ids drawn from the training text's
+    own ids, in any order, and of names of capital letters (vt's variables); the manifest counts
+    them among the copy blocks; with 0 nothing is drawn for it (the fixture's corpus, unchanged)."""
+    from sparse_ft.experiment.retrieval_docs import copy_document
+
+    rng = random.Random(3)
+    pool = list(range(300, 400))
+    letters = set(tokenizer(" " + string.ascii_uppercase, add_special_tokens=False)["input_ids"])
+    drawn: Counter[str] = Counter()
+    for _ in range(10):
+        ids = copy_document(tokenizer, 255, rng, words=["unused"], essay="one two three four".split() * 100, pieces=pool)
+        period = next(p for p in range(4, len(ids) // 2 + 1) if ids[-2 * p : -p] == ids[-p:])
+        assert set(ids[-period:]) <= set(pool) | letters
+        drawn.update("piece" if i in pool else "letter" for i in ids[-period:])
+    assert drawn["piece"] > 10 and drawn["letter"] > 2 * drawn["piece"]  # half the items, 4 letters and a space each
+    assert corpus[1]["copy_pieces"] == 0.0 and corpus[1]["copy_pieces_blocks"] == 0
+    manifest = build_corpus(tmp_path, tokenizer, context=256, retrieval_fraction=0.25, copy_fraction=0.5, copy_pieces=1.0,
+                            modules=MODULES, val_percent=_val_percent())
+    assert manifest["copy_pieces_blocks"] == manifest["copy_blocks"] > 0.4 * manifest["train_blocks"]
+    with pytest.raises(ValueError, match=r"^copy_pieces=-1 must be within \[0, 1\]$"):
+        build_corpus(tmp_path / "x", tokenizer, context=256, copy_fraction=0.5, copy_pieces=-1, modules=MODULES)
+
+
 def test_full_documents_fill_their_block(corpus, tokenizer, tmp_path):
     """With full_fraction 1 every passkey and copy document is as long as its block allows (a
     needle a whole context before its question: depth 0 at the full length); with 0 nothing is
@@ -307,6 +332,42 @@ def test_common_words_drills_answer_each_list_with_its_ten_most_listed_words(tmp
     whole.word_lists = words
     with pytest.raises(ValueError, match=r"cwe_drills: 0 training words take two tokens or more with this tokenizer; a list needs 30"):
         whole.setup(_WholeWords(), ())
+
+
+def test_pseudo_words_drills_list_made_up_words_written_as_the_evaluations_are(tmp_path):
+    """cwe_pseudo_drills' words are made of the tokenizer's own lowercase pieces, 3 to 10 letters
+    in 2 to 4 tokens as the evaluation's words are, none of them an evaluation word, the same on
+    every setup; its documents are cwe_drills' (each list answered by its ten most
+    listed words). A tokenizer with no lowercase pieces (the byte tokenizer) is refused by name."""
+    import re
+
+    from sparse_ft.evaluation.words import EVALUATION
+    from sparse_ft.experiment.pretrain import retrieval_kinds
+    from sparse_ft.experiment.retrieval_docs import PseudoWordsDrills, every_word, retrieval_document
+    from sparse_ft.experiment.tokenizer import TOKENIZER_DIR
+    from sparse_ft.modeling.model_io import load_tokenizer
+
+    bpe = load_tokenizer(str(TOKENIZER_DIR))
+    made = []
+    for _ in range(2):
+        drills = PseudoWordsDrills()
+        drills.count = 300
+        drills.setup(bpe, ())
+        made.append(drills.words)
+    assert made[0] == made[1] and len(made[0]) == 300
+    assert not set(made[0]) & set(every_word(EVALUATION))
+    assert all(3 <= len(w) <= 10 and w.isalpha() and 2 <= len(bpe(" " + w, add_special_tokens=False)["input_ids"]) <= 4
+               for w in made[0])
+    text = bpe.decode(retrieval_document(drills, bpe, 1023, random.Random(1), seed="pretrain:0:0", essay=[], full=True))
+    lists = re.findall(r"most often\.\n(.*?)\nQuestion: .*? are: (.*?)\n", text)
+    assert lists
+    for listed, answered in lists:
+        counts = Counter(re.findall(r"\d+\. (\S+)", listed))
+        answer = re.findall(r"\d+\. (\S+)", answered)
+        assert len(answer) == 10 and {counts[w] for w in answer} in ({3}, {6}) and set(counts) <= set(made[0])
+    assert "cwe_pseudo_drills" not in retrieval_kinds(["all"])
+    with pytest.raises(ValueError, match=r"^cwe_pseudo_drills: the tokenizer has no short lowercase pieces that start a word"):
+        PseudoWordsDrills().setup(tiny_tokenizer(), ())
 
 
 class _WholeWords:
