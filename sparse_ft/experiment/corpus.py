@@ -67,8 +67,8 @@ def build_corpus(output_dir: Path, tokenizer, context: int = 256, retrieval_frac
     blocks open with a copy document instead (:func:`retrieval_docs.copy_document`: the
     signal that forms copy heads); 0 draws exactly what this corpus drew before it existed.
     ``copy_pieces`` of the copy documents repeat a span of ids drawn from every id of the
-    training text instead of words and numbers (the signal that makes copying generic); 0
-    draws what was drawn before.
+    training text and of names of capital letters instead of words and numbers (the signal
+    that makes copying generic); 0 draws what was drawn before.
     ``lookup_fraction`` of the blocks open with a lookup document (:class:`retrieval_docs.Lookup`:
     needles, then every key asked and answered, the signal that teaches matching a key); drawn
     just above the retrieval documents, so 0 draws what was drawn before it existed.

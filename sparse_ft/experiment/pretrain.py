@@ -409,8 +409,8 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "a span of words repeated to its end: the dense signal that forms copy heads); default 0")
     p.add_argument("--copy-pieces", type=float, default=0.0,
                    help="when the corpus is built here: share of the copy documents whose span is ids drawn from every "
-                        "id of the training text instead of words and numbers (copying made generic: copy heads formed "
-                        "on words copy no word unseen in training); default 0")
+                        "id of the training text and names of capital letters, instead of words and numbers (copying "
+                        "made generic: copy heads formed on words copy no word unseen in training); default 0")
     p.add_argument("--lookup-fraction", type=float, default=0.0,
                    help="when the corpus is built here: share of blocks that open with a lookup document (needles, "
                         "one key asked, then every key and keys at random drilled, each answered: the signal for matching a key); "
