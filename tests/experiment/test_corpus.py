@@ -174,7 +174,7 @@ def test_piece_copies_repeat_a_span_of_any_training_ids(corpus, tokenizer, tmp_p
         period = next(p for p in range(4, len(ids) // 2 + 1) if ids[-2 * p : -p] == ids[-p:])
         assert set(ids[-period:]) <= set(pool) | letters
         drawn.update("piece" if i in pool else "letter" for i in ids[-period:])
-    assert drawn["piece"] > 10 and drawn["letter"] > 2 * drawn["piece"]  # half the items, 4 letters and a space each
+    assert drawn["piece"] > 10 and drawn["letter"] > 2 * drawn["piece"]  # half the items; a name is a space and 3 to 5 letters
     assert corpus[1]["copy_pieces"] == 0.0 and corpus[1]["copy_pieces_blocks"] == 0
     manifest = build_corpus(tmp_path, tokenizer, context=256, retrieval_fraction=0.25, copy_fraction=0.5, copy_pieces=1.0,
                             modules=MODULES, val_percent=_val_percent())
@@ -334,7 +334,7 @@ def test_common_words_drills_answer_each_list_with_its_ten_most_listed_words(tmp
         whole.setup(_WholeWords(), ())
 
 
-def test_pseudo_words_drills_list_made_up_words_written_as_the_evaluations_are(tmp_path):
+def test_pseudo_words_drills_list_made_up_words_written_as_the_evaluations_are():
     """cwe_pseudo_drills' words are made of the tokenizer's own lowercase pieces, 3 to 10 letters
     in 2 to 4 tokens as the evaluation's words are, none of them an evaluation word, the same on
     every setup; its documents are cwe_drills' (each list answered by its ten most
