@@ -54,7 +54,8 @@ def build_corpus(output_dir: Path, tokenizer, context: int = 256, retrieval_frac
                  *, val_percent: float = 5.0, seed: int = 0, modules: Optional[Iterable[str]] = None,
                  max_blocks: Optional[int] = None, retrieval_tasks: Sequence[str] = ("passkey",),
                  text_passes: int = 1, copy_fraction: float = 0.0, full_fraction: float = 0.0,
-                 lookup_fraction: float = 0.0, copy_pieces: float = 0.0) -> dict:
+                 lookup_fraction: float = 0.0, copy_pieces: float = 0.0,
+                 copy_names: float = retrieval_docs.COPY_NAMES) -> dict:
     """Write train.bin, val.bin and corpus.json under ``output_dir``; return the manifest.
 
     ``modules=None`` takes every top-level module of the standard library; ``max_blocks``
@@ -68,7 +69,9 @@ def build_corpus(output_dir: Path, tokenizer, context: int = 256, retrieval_frac
     signal that forms copy heads); 0 draws exactly what this corpus drew before it existed.
     ``copy_pieces`` of the copy documents repeat a span of ids drawn from every id of the
     training text and of names of capital letters instead of words and numbers (the signal
-    that makes copying generic); 0 draws what was drawn before.
+    that makes copying generic); 0 draws what was drawn before. ``copy_names``: the share of
+    such a span's items that are names (0: ids alone; the default draws what was drawn before
+    the share existed).
     ``lookup_fraction`` of the blocks open with a lookup document (:class:`retrieval_docs.Lookup`:
     needles, then every key asked and answered, the signal that teaches matching a key); drawn
     just above the retrieval documents, so 0 draws what was drawn before it existed.
@@ -88,6 +91,8 @@ def build_corpus(output_dir: Path, tokenizer, context: int = 256, retrieval_frac
         raise ValueError(f"full_fraction={full_fraction} must be within [0, 1]")
     if not 0.0 <= copy_pieces <= 1.0:
         raise ValueError(f"copy_pieces={copy_pieces} must be within [0, 1]")
+    if not 0.0 <= copy_names <= 1.0:
+        raise ValueError(f"copy_names={copy_names} must be within [0, 1]")
     kinds = list(dict.fromkeys(retrieval_tasks))
     if not kinds:
         raise ValueError("retrieval_tasks is empty; name passkey and/or RULER tasks")
@@ -134,7 +139,7 @@ def build_corpus(output_dir: Path, tokenizer, context: int = 256, retrieval_frac
             drawn = pieces if copy_pieces and rng.random() < copy_pieces else ()  # no draw at 0: the corpus of before
             kind = "copy_pieces" if drawn else kind
             block = retrieval_docs.copy_document(tokenizer, context - 1, rng, words=words.single, essay=essay, full=full,
-                                                 pieces=drawn) + [eos]
+                                                 pieces=drawn, names=copy_names) + [eos]
         elif draw < retrieval_fraction or looks:
             kind = "lookup" if looks else kinds[0] if len(kinds) == 1 else rng.choice(kinds)
             if kind == "passkey":
@@ -166,7 +171,7 @@ def build_corpus(output_dir: Path, tokenizer, context: int = 256, retrieval_frac
         "files": files, "context": context, "max_blocks": max_blocks, "dtype": dtype, "seed": seed,
         "retrieval_fraction": retrieval_fraction, "retrieval_tasks": kinds, "text_passes": text_passes,
         "copy_fraction": copy_fraction, "copy_blocks": opened["copy"] + opened["copy_pieces"], "copy_pieces": copy_pieces,
-        "copy_pieces_blocks": opened["copy_pieces"], "lookup_fraction": lookup_fraction,
+        "copy_pieces_blocks": opened["copy_pieces"], "copy_names": copy_names, "lookup_fraction": lookup_fraction,
         "lookup_blocks": opened["lookup"], "full_fraction": full_fraction, "full_documents": filled,
         "val_percent": val_percent,
         "tokenizer": type(tokenizer).__name__, "vocab_size": vocab,

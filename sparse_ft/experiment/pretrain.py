@@ -288,11 +288,12 @@ def pretrain(cfg: PretrainConfig, corpus: Path = CORPUS_DIR, output: Path = ASSE
              *, init_from: Optional[Path] = None, retrieval_fraction: Optional[float] = None,
              max_blocks: Optional[int] = None, text_passes: int = 1, copy_fraction: float = 0.0,
              full_fraction: float = 0.0, lookup_fraction: float = 0.0, copy_pieces: float = 0.0,
-             overwrite: bool = False) -> dict:
+             copy_names: Optional[float] = None, overwrite: bool = False) -> dict:
     """Build the corpus if missing, train, evaluate, save; returns the stats written (with the
     stats of ``init_from``'s training under ``previous_phase``). ``output`` is checked first:
     apart from the inputs, and an earlier output of this command only with ``overwrite``."""
     from sparse_ft.experiment.corpus import RETRIEVAL_FRACTION, build_corpus, fits_one, load_blocks
+    from sparse_ft.experiment.retrieval_docs import COPY_NAMES
     from sparse_ft.evaluation.tokens import load_tokens
     from sparse_ft.files.outputs import check_apart, check_output_dir
 
@@ -317,12 +318,18 @@ def pretrain(cfg: PretrainConfig, corpus: Path = CORPUS_DIR, output: Path = ASSE
         raise ValueError(f"--full-fraction {full_fraction} must be within [0, 1]")
     if not 0 <= copy_pieces <= 1:
         raise ValueError(f"--copy-pieces {copy_pieces} must be within [0, 1]")
+    if copy_names is not None and not 0 <= copy_names <= 1:
+        raise ValueError(f"--copy-names {copy_names} must be within [0, 1]")
+    if copy_names is not None and not copy_pieces:
+        raise ValueError(f"--copy-names {copy_names} is a share of the piece spans' items; --copy-pieces 0 draws none "
+                         "(set --copy-pieces above 0)")
     if copy_pieces and not copy_fraction:
         raise ValueError(f"--copy-pieces {copy_pieces} is a share of the copy documents; --copy-fraction 0 draws none "
                          "(set --copy-fraction above 0)")
     if init_from is not None and cfg.max_positions:
         raise ValueError(f"--max-positions {cfg.max_positions} sets a fresh model's window; with --init-from the "
                          "checkpoint's own is kept (omit one of them)")
+    copy_names = COPY_NAMES if copy_names is None else copy_names
     check_apart(output, "--output", {"--corpus": corpus, "--init-from": init_from and Path(init_from)})
     check_output_dir(output, overwrite)
     build = not (corpus / "corpus.json").exists()
@@ -335,16 +342,19 @@ def pretrain(cfg: PretrainConfig, corpus: Path = CORPUS_DIR, output: Path = ASSE
         build_corpus(corpus, tokenizer, context=cfg.context, seed=cfg.seed, max_blocks=max_blocks,
                      retrieval_fraction=retrieval_fraction,
                      retrieval_tasks=kinds, text_passes=text_passes, copy_fraction=copy_fraction,
-                     full_fraction=full_fraction, lookup_fraction=lookup_fraction, copy_pieces=copy_pieces)
+                     full_fraction=full_fraction, lookup_fraction=lookup_fraction, copy_pieces=copy_pieces,
+                     copy_names=copy_names)
     else:  # a corpus built for other settings would train, silently, on other tokens
         try:
             built = dict(json.loads((corpus / "corpus.json").read_text()))
         except (ValueError, TypeError):  # not a manifest: load_blocks says so, naming the file
             built = {}
         want = {"tokenizer": type(tokenizer).__name__, "retrieval_tasks": kinds, "copy_fraction": copy_fraction,
-                "full_fraction": full_fraction, "lookup_fraction": lookup_fraction, "copy_pieces": copy_pieces}
+                "full_fraction": full_fraction, "lookup_fraction": lookup_fraction, "copy_pieces": copy_pieces,
+                "copy_names": copy_names}
         before = {"tokenizer": "ByT5Tokenizer", "retrieval_tasks": ["passkey"], "copy_fraction": 0.0,
-                  "full_fraction": 0.0, "lookup_fraction": 0.0, "copy_pieces": 0.0}  # corpora built before these keys
+                  "full_fraction": 0.0, "lookup_fraction": 0.0, "copy_pieces": 0.0,
+                  "copy_names": COPY_NAMES}  # corpora built before these keys
         wrong = {k: built.get(k, before[k]) for k in want if built.get(k, before[k]) != want[k]}
         if wrong:
             raise ValueError(f"--corpus {corpus} was built with {wrong}, these settings need "
@@ -411,6 +421,9 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="when the corpus is built here: share of the copy documents whose span is ids drawn from every "
                         "id of the training text and names of capital letters, instead of words and numbers (copying "
                         "made generic: copy heads formed on words copy no word unseen in training); default 0")
+    p.add_argument("--copy-names", type=float, default=None,
+                   help="when the corpus is built here: share of a piece span's items that are capital-letter names, the "
+                        "rest ids (0: ids alone, which makes copying generic fastest); default: half")
     p.add_argument("--lookup-fraction", type=float, default=0.0,
                    help="when the corpus is built here: share of blocks that open with a lookup document (needles, "
                         "one key asked, then every key and keys at random drilled, each answered: the signal for matching a key); "
@@ -435,7 +448,7 @@ def run(args) -> int:
     stats = pretrain(cfg, args.corpus, args.output, init_from=args.init_from, retrieval_fraction=args.retrieval_fraction,
                      max_blocks=args.max_blocks, text_passes=args.text_passes, copy_fraction=args.copy_fraction,
                      full_fraction=args.full_fraction, lookup_fraction=args.lookup_fraction, copy_pieces=args.copy_pieces,
-                     overwrite=args.overwrite)
+                     copy_names=args.copy_names, overwrite=args.overwrite)
     ev = stats["evaluation"]
     print(f"{stats['tokens']} tokens, {stats['steps']} steps in {stats['train_seconds']:.0f} s; final loss "
           f"{stats['final_loss']:.3f}; val PPL@{cfg.context} {ev['val_ppl']:.3f}; passkey accuracy "

@@ -266,8 +266,12 @@ class PseudoWordsDrills(CommonWordsDrills):
 TRAINING_ONLY = {task.name: task for task in (VariableDrills, CommonWordsDrills, PseudoWordsDrills)}
 
 
+COPY_NAMES = 0.5  # the share of names in a piece span: half, as every piece span drew before it could be set
+
+
 def copy_document(tokenizer, max_tokens: int, rng: random.Random, *, words: Sequence[str],
-                  essay: Sequence[str], full: bool = False, pieces: Sequence[int] = ()) -> list[int]:
+                  essay: Sequence[str], full: bool = False, pieces: Sequence[int] = (),
+                  names: float = COPY_NAMES) -> list[int]:
     """Token ids of essay text, then a span of random ``words`` and numbers (half each, 1 to 7
     digits: the keys and values the evaluation asks for) repeated to the end: ``max_tokens / 4``
     to ``max_tokens`` tokens, the span from 4 tokens to half of them (log-uniform, so that short
@@ -277,14 +281,18 @@ def copy_document(tokenizer, max_tokens: int, rng: random.Random, *, words: Sequ
     to 5 random capital letters (half each) instead, any token after any other (copy heads formed
     on words copied only the words trained on: none of the evaluation's unseen words, written in
     pieces never seen in that order) and runs of a few letters repeated across the span (vt's
-    variables: a base copying random ids still wrote no variable's letters after its first)."""
+    variables: a base copying random ids still wrote no variable's letters after its first).
+    ``names``: the share of the span's items that are names; at 0 the span is ids alone, the form
+    that makes copying generic fastest (a name's letters recur within a span, so the token before
+    a letter does not say which comes next). Every item draws a name, used or not, so that
+    ``COPY_NAMES`` draws what was drawn before the share existed."""
     length = max_tokens if full else rng.randint(max_tokens // 4 + 1, max_tokens)
     span = max(4, int(math.exp(rng.uniform(math.log(4), math.log(max(4, length // 2))))))
     if pieces:
         ids = []
         while len(ids) < span:
             name = " " + "".join(rng.choices(string.ascii_uppercase, k=rng.randint(3, 5)))
-            ids += [rng.choice(pieces)] if rng.random() < 0.5 else tokenizer(name, add_special_tokens=False)["input_ids"]
+            ids += [rng.choice(pieces)] if rng.random() < 1 - names else tokenizer(name, add_special_tokens=False)["input_ids"]
         ids = ids[:span]
     else:
         items = (rng.choice(words) if rng.random() < 0.5 else str(rng.randrange(10 ** rng.randint(1, 7))) for _ in range(span))

@@ -889,6 +889,12 @@ CLI_CASES = {
     "pretrain piece copies without copy documents": (
         ["pretrain", "--copy-pieces", "0.5", "--corpus", "OUT/c", "--output", "OUT/p"], None,
         r"--copy-pieces 0.5 is a share of the copy documents; --copy-fraction 0 draws none \(set --copy-fraction above 0\)"),
+    "pretrain share of names in piece spans above 1": (
+        ["pretrain", "--copy-fraction", "0.3", "--copy-pieces", "1", "--copy-names", "2", "--corpus", "OUT/c", "--output", "OUT/p"],
+        None, r"--copy-names 2.0 must be within \[0, 1\]"),
+    "pretrain names in piece spans without piece spans": (
+        ["pretrain", "--copy-fraction", "0.3", "--copy-names", "0", "--corpus", "OUT/c", "--output", "OUT/p"], None,
+        r"--copy-names 0.0 is a share of the piece spans' items; --copy-pieces 0 draws none \(set --copy-pieces above 0\)"),
     "pretrain with an unknown retrieval task": (
         ["pretrain", "--retrieval-tasks", "passkey,nope", "--corpus", "OUT/c", "--output", "OUT/p"], None,
         r"retrieval_tasks: 'nope' unknown; allowed: passkey, niah_single_1, .*, fwe, vt_drills, cwe_drills, cwe_pseudo_drills or all"),

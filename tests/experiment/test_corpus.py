@@ -175,6 +175,10 @@ def test_piece_copies_repeat_a_span_of_any_training_ids(corpus, tokenizer, tmp_p
         assert set(ids[-period:]) <= set(pool) | letters
         drawn.update("piece" if i in pool else "letter" for i in ids[-period:])
     assert drawn["piece"] > 10 and drawn["letter"] > 2 * drawn["piece"]  # half the items; a name is a space and 3 to 5 letters
+    for _ in range(5):  # names=0: ids alone, the span that makes copying generic fastest
+        ids = copy_document(tokenizer, 255, rng, words=["unused"], essay=["one"] * 400, pieces=pool, names=0.0)
+        period = next(p for p in range(4, len(ids) // 2 + 1) if ids[-2 * p : -p] == ids[-p:])
+        assert set(ids[-period:]) <= set(pool)
     assert corpus[1]["copy_pieces"] == 0.0 and corpus[1]["copy_pieces_blocks"] == 0
     manifest = build_corpus(tmp_path, tokenizer, context=256, retrieval_fraction=0.25, copy_fraction=0.5, copy_pieces=1.0,
                             modules=MODULES, val_percent=_val_percent())
