@@ -31,8 +31,10 @@
 #    SPARSE_FT_PHASES=4 instead ends on lookup documents 90 % and every kind 10 %, 800 x 4.
 #
 # Corpora and the phases' checkpoints go under WORK (default: OUTPUT.work), built there once; every
-# directory must be new or an earlier output of this script. SPARSE_FT_THREADS sets torch's
-# threads (default 2; two seeds at once: 1 each).
+# directory must be new or an earlier output of this script. Run the same command again after a
+# kill or a stop: finished phases are kept, the phase in progress resumes from its last checkpoint
+# (PHASE.run, every 10 minutes and on SIGTERM or SIGINT). SPARSE_FT_THREADS sets torch's threads
+# (default 2; two seeds at once: 1 each).
 set -euo pipefail
 if [ $# -lt 2 ]; then
     echo "usage: scripts/pretrain_bpe_base.sh SEED OUTPUT [WORK]" >&2
@@ -52,26 +54,39 @@ mkdir -p "$work"
 common=(--seed "$seed" --tokenizer bpe --threads "$threads" --eval-windows 50)
 at_c=(--context 1024 --full-fraction 0.75 --scheduler cosine --lr 1e-3 --batch-size 4)
 
-sparse-ft pretrain "${common[@]}" --context 256 --corpus "$work/corpus-copy" --output "$work/phase1" \
+# phase OUTPUT STEPS FLAGS...: `sparse-ft pretrain` for STEPS steps into OUTPUT, unless OUTPUT holds
+# this phase already (written whole at its end: a model of this seed trained for STEPS steps)
+phase() {
+    local out=$1 steps=$2
+    shift 2
+    if python -c 'import json, sys; s = json.load(open(sys.argv[1] + "/pretrain_stats.json"))
+sys.exit(not (s["config"]["seed"] == int(sys.argv[2]) and s["steps"] == int(sys.argv[3])))' "$out" "$seed" "$steps" 2>/dev/null; then
+        echo "$out holds this phase (seed $seed, $steps steps): kept" >&2
+    else
+        sparse-ft pretrain "${common[@]}" --output "$out" --steps "$steps" "$@"
+    fi
+}
+
+phase "$work/phase1" 3500 --context 256 --corpus "$work/corpus-copy" \
     --max-positions 1024 --retrieval-fraction 0 --copy-fraction 1.0 --max-blocks 12000 --scheduler constant --lr 1e-3 \
-    --steps 3500 --batch-size 8 --passkey-trials 0
+    --batch-size 8 --passkey-trials 0
 
 if [ "$phases" = 6 ]; then
-    sparse-ft pretrain "${common[@]}" --context 256 --corpus "$work/corpus-ids" --output "$work/phase2" \
+    phase "$work/phase2" 400 --context 256 --corpus "$work/corpus-ids" \
         --init-from "$work/phase1" --retrieval-fraction 0 --copy-fraction 1.0 --copy-pieces 1.0 --copy-names 0 \
-        --max-blocks 3200 --scheduler constant --lr 1e-3 --warmup-steps 20 --steps 400 --batch-size 8 --passkey-trials 0
-    reach=("$work/phase3" --corpus "$work/corpus-reach-ids" --init-from "$work/phase2" --steps 1000 --max-blocks 4000
+        --max-blocks 3200 --scheduler constant --lr 1e-3 --warmup-steps 20 --batch-size 8 --passkey-trials 0
+    reach=("$work/phase3" 1000 --corpus "$work/corpus-reach-ids" --init-from "$work/phase2" --max-blocks 4000
            --passkey-trials 0 --copy-pieces 0.5 --copy-names 0)
     drills=$work/phase4
 elif [ "$phases" = 4 ]; then
-    reach=("$work/phase2" --corpus "$work/corpus-reach" --init-from "$work/phase1" --steps 1000 --max-blocks 4000
+    reach=("$work/phase2" 1000 --corpus "$work/corpus-reach" --init-from "$work/phase1" --max-blocks 4000
            --passkey-trials 0)
     drills=$work/phase3
 else
-    reach=("$output" --corpus "$work/corpus-reach" --init-from "$work/phase1" --steps 1800 --max-blocks 7200
+    reach=("$output" 1800 --corpus "$work/corpus-reach" --init-from "$work/phase1" --max-blocks 7200
            --passkey-trials 10)
 fi
-sparse-ft pretrain "${common[@]}" "${at_c[@]}" --output "${reach[@]}" --rope-theta 500000 --retrieval-tasks all \
+phase "${reach[@]}" "${at_c[@]}" --rope-theta 500000 --retrieval-tasks all \
     --retrieval-fraction 0.6 --copy-fraction 0.3 --text-passes 3 --warmup-steps 20
 [ "$phases" = 2 ] && exit 0
 
@@ -80,16 +95,16 @@ if [ ! -f "$drills/probe.json" ]; then  # written last: the phase is done
 fi
 
 if [ "$phases" = 4 ]; then
-    sparse-ft pretrain "${common[@]}" "${at_c[@]}" --corpus "$work/corpus-lookup" --output "$output" \
+    phase "$output" 800 "${at_c[@]}" --corpus "$work/corpus-lookup" \
         --init-from "$drills" --retrieval-tasks all --retrieval-fraction 0.1 --lookup-fraction 0.9 \
-        --max-blocks 3200 --steps 800 --passkey-trials 10
+        --max-blocks 3200 --passkey-trials 10
     exit 0
 fi
 
-sparse-ft pretrain "${common[@]}" "${at_c[@]}" --corpus "$work/corpus-vt-cwe" --output "$work/phase5" \
+phase "$work/phase5" 400 "${at_c[@]}" --corpus "$work/corpus-vt-cwe" \
     --init-from "$drills" --retrieval-tasks vt_drills,cwe_pseudo_drills --retrieval-fraction 0.7 --copy-fraction 0.3 \
-    --copy-pieces 1.0 --max-blocks 1600 --steps 400 --warmup-steps 20 --passkey-trials 0
+    --copy-pieces 1.0 --max-blocks 1600 --warmup-steps 20 --passkey-trials 0
 
-sparse-ft pretrain "${common[@]}" "${at_c[@]}" --corpus "$work/corpus-mix" --output "$output" \
+phase "$output" 800 "${at_c[@]}" --corpus "$work/corpus-mix" \
     --init-from "$work/phase5" --retrieval-tasks vt_drills,cwe_pseudo_drills,passkey --retrieval-fraction 0.35 \
-    --lookup-fraction 0.55 --copy-fraction 0.1 --copy-pieces 1.0 --max-blocks 3200 --steps 800 --passkey-trials 10
+    --lookup-fraction 0.55 --copy-fraction 0.1 --copy-pieces 1.0 --max-blocks 3200 --passkey-trials 10

@@ -27,6 +27,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from sparse_ft.evaluation.tasks.niah import NEEDLE
 from sparse_ft.experiment.retrieval_docs import DRILL, training_words
 from sparse_ft.experiment.tokenizer import training_texts
+from sparse_ft.files.outputs import atomic_directory
 
 
 def document(tokenizer, keys: list[str], rng: random.Random, n: int, length: int) -> tuple[list[int], list[tuple[int, int]]]:
@@ -99,10 +100,11 @@ def main() -> None:
             seconds = time.perf_counter() - began
             curve.append({"step": step, "loss": loss.item(), "first_digit": acc[0], "whole_value": acc[1], "seconds": seconds})
             print(f"step {step} loss {loss.item():.3f} first digit / whole value {acc} {seconds:.0f} s", flush=True)
-    model.save_pretrained(args.output)
-    tokenizer.save_pretrained(args.output)
-    (args.output / "probe.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                                        "curve": curve}, indent=1))
+    with atomic_directory(args.output, "scripts/probe_drills.py", False, "OUTPUT") as tmp:  # whole, or not at all
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "probe.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                                    "curve": curve}, indent=1))
 
 
 if __name__ == "__main__":

@@ -6,6 +6,9 @@ toolkit's one trainer (``sparse_ft.train.pretrainer``: the fine-tuning loop, opt
 schedule, every weight trainable); this module maps its settings onto a recipe, then measures
 what the experiment relies on, validation perplexity and passkey retrieval inside the window,
 both through ``sparse_ft.evaluation``, and saves the checkpoint (``assets/tiny-base``).
+The trainer's run directory (``OUTPUT.run`` unless ``--run-dir`` names one) keeps a checkpoint
+every ``--save-minutes`` and one on SIGTERM or SIGINT, so a killed or stopped pretraining resumes
+where it was when the same command is run again; it is removed once the model is saved.
 
 torch and numpy load inside the functions that use them, so ``sparse-ft --help`` builds this
 command's parser without them.
@@ -63,6 +66,7 @@ class PretrainConfig:
     passkey_trials: int = 10  # per needle depth at the full window
     passkey_depths: list[float] = field(default_factory=lambda: [0.0, 0.5, 1.0])
     tokenizer: str = "byte"  # byte: the committed base's; bpe: assets/tiny-bpe (RULER's prompts fit 1,024 tokens)
+    save_minutes: float = 10.0  # a checkpoint in the run directory this often: what a killed run resumes from
     retrieval_tasks: list[str] = field(default_factory=lambda: ["passkey"])  # the corpus's retrieval documents
 
     def validate(self) -> None:
@@ -84,6 +88,9 @@ class PretrainConfig:
             raise ValueError(f"max_positions={self.max_positions} must be 0 (the context) or >= context={self.context}")
         if self.passkey_trials < 0:
             raise ValueError(f"passkey_trials={self.passkey_trials} must be >= 0")
+        if self.save_minutes < 0:
+            raise ValueError(f"save_minutes={self.save_minutes} must be > 0 (minutes between checkpoints), or 0 for none "
+                             "before the last step")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads={self.num_attention_heads} must be a multiple of "
                              f"num_key_value_heads={self.num_key_value_heads}")
@@ -130,8 +137,8 @@ def train_section(cfg: PretrainConfig, output_dir: Path) -> TrainSection:
         betas=[0.9, 0.95], warmup_steps=max(0, cfg.warmup_steps - 1), scheduler=cfg.scheduler,
         min_lr_ratio=cfg.min_lr_ratio if cfg.scheduler == "cosine" else 0.0,
         per_device_batch_size=cfg.batch_size, gradient_accumulation_steps=1, gradient_checkpointing=False,
-        max_grad_norm=cfg.grad_clip, seed=cfg.seed, save_steps=cfg.steps, save_total_limit=1, log_steps=cfg.log_every,
-        resume="never", report_to=["none"])
+        max_grad_norm=cfg.grad_clip, seed=cfg.seed, save_steps=cfg.steps, save_minutes=cfg.save_minutes, save_total_limit=1,
+        log_steps=cfg.log_every, resume="auto", report_to=["none"])
 
 
 def recipe_for(cfg: PretrainConfig, output_dir: Path, init_from: Optional[Path] = None, source: str = "") -> Recipe:
@@ -174,44 +181,77 @@ def loss_curve(history: list[dict], every: int) -> list[dict]:
 
 
 def train(cfg: PretrainConfig, blocks: np.ndarray, progress: bool = True, init_from: Optional[Path] = None,
-          *, source: str = "") -> tuple[torch.nn.Module, dict]:
+          *, source: str = "", run_dir: Optional[Path] = None) -> tuple[torch.nn.Module, dict]:
     """Train on ``blocks`` (blocks, context) of token ids, read from ``source``, a fresh model,
     or continue from the checkpoint ``init_from`` (a second phase, e.g. on a passkey-richer
-    corpus); returns (model, stats). The trainer's run directory (resolved recipe, log, last
-    checkpoint) is temporary: what is kept is the model, which the caller saves."""
+    corpus); returns (model, stats). The trainer's run (resolved recipe, log, checkpoints) goes
+    to ``run_dir`` (its ``TRAINING`` directory), where a run killed or stopped by a signal
+    resumes from its last checkpoint (the caller removes it once the model is saved,
+    :func:`remove_run`), or, without one, to a temporary directory."""
+    import contextlib
+
+    from sparse_ft.files.outputs import claim_directory
     from sparse_ft.train.pretrainer import Pretrainer
 
     cfg.validate()
     if blocks.shape[1] != cfg.context:
         raise ValueError(f"the corpus has blocks of {blocks.shape[1]} tokens but context={cfg.context}")
     began = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="sparse-ft-pretrain-") as run_dir, \
-            tempfile.TemporaryDirectory(prefix="sparse-ft-rebased-") as copy_dir:
+    with contextlib.ExitStack() as temporary:
+        kept = run_dir is not None
+        run_dir = Path(run_dir) if kept else Path(temporary.enter_context(tempfile.TemporaryDirectory(prefix="sparse-ft-pretrain-")))
+        claim_directory(run_dir, WRITER, "--run-dir")
         if init_from is not None and cfg.rope_theta:
-            init_from = rebased(Path(init_from), cfg.rope_theta, Path(copy_dir) / "checkpoint")
-        trainer = Pretrainer(recipe_for(cfg, Path(run_dir), init_from, source), blocks, progress)
-        history = trainer.run()["history"]
+            init_from = rebased(Path(init_from), cfg.rope_theta, run_dir / REBASED)
+        trainer = Pretrainer(recipe_for(cfg, run_dir / TRAINING, init_from, source), blocks, progress, stops_on_signals=kept)
+        try:
+            history = trainer.run()["history"]
+        except ValueError as err:
+            if kept and str(err).startswith("train.resume"):  # the trainer's words for what pretrain calls --run-dir
+                raise ValueError(f"{err} (train.output_dir is {run_dir / TRAINING}: name another --run-dir, or remove "
+                                 f"{run_dir} to start afresh)") from err
+            raise
     seconds = time.perf_counter() - began
     curve = loss_curve(history, cfg.log_every)
     tokens = cfg.steps * cfg.batch_size * cfg.context
     stats = {"steps": cfg.steps, "tokens": tokens, "epochs_completed": cfg.steps // trainer.order.per_epoch,
              "corpus_blocks": int(len(blocks)), "final_loss": curve[-1]["loss"], "train_seconds": seconds,
-             "tokens_per_second": tokens / seconds, "loss_curve": curve,
-             "parameters": sum(p.numel() for p in trainer.model.parameters())}
+             "tokens_per_second": (cfg.steps - trainer.start) * cfg.batch_size * cfg.context / seconds, "loss_curve": curve,
+             "parameters": sum(p.numel() for p in trainer.model.parameters()),
+             "resumed_from_step": trainer.start}  # train_seconds and tokens_per_second: the steps after it
     return trainer.model.eval(), stats
+
+
+WRITER = "sparse-ft pretrain"  # the command named by the markers of its outputs and run directories
+TRAINING = "train"  # in the run directory: the trainer's output directory (its checkpoints)
+REBASED = "rebased-base"  # in the run directory: the checkpoint a phase continues, at its new RoPE base
+REBASED_FROM = "rebased_from.json"  # in it: which checkpoint, at which base
+
+
+def remove_run(run_dir: Path) -> None:
+    """The run directory of a pretraining whose model is saved: nothing in it is left to resume."""
+    from sparse_ft.files.outputs import remove_claimed
+    from sparse_ft.train import run_directory
+
+    if (run_dir / TRAINING).is_dir():
+        run_directory.remove(run_dir / TRAINING)
+    remove_claimed(run_dir, [REBASED])
 
 
 def rebased(checkpoint: Path, theta: float, into: Path) -> Path:
     """``checkpoint`` to continue at RoPE base ``theta``: itself when its base is ``theta``, else
-    a copy under ``into`` whose config says ``theta`` (the weights are the checkpoint's, and
-    adapt to the new base as the phase trains). Why a later phase raises it: with 16 dimensions
-    per head at the default 10,000, only two of the eight frequency pairs turn by less than a
-    radian over 1,000 tokens, and the two-phase BPE bases found a needle reliably only ~500
-    tokens back; a third phase at 500,000 found it at every depth of 1,016 (docs/experiment.md)."""
+    a copy at ``into`` whose config says ``theta`` (the weights are the checkpoint's, and
+    adapt to the new base as the phase trains), written once: a resumed run finds it there, and
+    a run directory left by a phase of another checkpoint or base is refused. Why a later phase
+    raises it: with 16 dimensions per head at the default 10,000, only two of the eight
+    frequency pairs turn by less than a radian over 1,000 tokens, and the two-phase BPE bases
+    found a needle reliably only ~500 tokens back; a third phase at 500,000 found it at every
+    depth of 1,016 (docs/experiment.md)."""
     import shutil
 
     from transformers import AutoConfig
 
+    from sparse_ft.files.outputs import atomic_directory
     from sparse_ft.modeling import rope
 
     config = AutoConfig.from_pretrained(checkpoint)
@@ -221,9 +261,18 @@ def rebased(checkpoint: Path, theta: float, into: Path) -> Path:
                          f"rope_type {params['rope_type']!r}")
     if params["rope_theta"] == theta:
         return checkpoint
-    shutil.copytree(checkpoint, into)
-    rope.restore(config, rope.portable({**params, "rope_theta": theta}), config.max_position_embeddings)
-    config.save_pretrained(into)
+    source = {"checkpoint": str(checkpoint.resolve()), "rope_theta": theta}
+    if into.is_dir():
+        found = json.loads((into / REBASED_FROM).read_text()) if (into / REBASED_FROM).is_file() else None
+        if found != source:
+            raise ValueError(f"--run-dir {into.parent} holds a run that continued {found or 'an unknown checkpoint'}; this "
+                             f"one continues {source}: name another --run-dir, or remove it to start afresh")
+        return into
+    with atomic_directory(into, WRITER, False, "--run-dir") as tmp:
+        shutil.copytree(checkpoint, tmp, dirs_exist_ok=True)
+        rope.restore(config, rope.portable({**params, "rope_theta": theta}), config.max_position_embeddings)
+        config.save_pretrained(tmp)
+        (tmp / REBASED_FROM).write_text(json.dumps(source))
     return into
 
 
@@ -277,7 +326,7 @@ def save(model, tokenizer, stats: dict, output: Path, *, save_dtype: str, overwr
     from sparse_ft.modeling.dtypes import torch_dtype
     from sparse_ft.files.outputs import atomic_directory
 
-    with atomic_directory(Path(output), "sparse-ft pretrain", overwrite, "--output") as tmp:
+    with atomic_directory(Path(output), WRITER, overwrite, "--output") as tmp:
         model.to(torch_dtype(save_dtype)).save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         (tmp / STATS_FILE).write_text(json.dumps(stats, indent=1))
@@ -288,14 +337,16 @@ def pretrain(cfg: PretrainConfig, corpus: Path = CORPUS_DIR, output: Path = ASSE
              *, init_from: Optional[Path] = None, retrieval_fraction: Optional[float] = None,
              max_blocks: Optional[int] = None, text_passes: int = 1, copy_fraction: float = 0.0,
              full_fraction: float = 0.0, lookup_fraction: float = 0.0, copy_pieces: float = 0.0,
-             copy_names: Optional[float] = None, overwrite: bool = False) -> dict:
+             copy_names: Optional[float] = None, overwrite: bool = False, run_dir: Optional[Path] = None) -> dict:
     """Build the corpus if missing, train, evaluate, save; returns the stats written (with the
     stats of ``init_from``'s training under ``previous_phase``). ``output`` is checked first:
-    apart from the inputs, and an earlier output of this command only with ``overwrite``."""
+    apart from the inputs, and an earlier output of this command only with ``overwrite``. The
+    training runs in ``run_dir`` (default ``OUTPUT.run``), resuming a run killed there, and
+    that directory is removed once the model is saved."""
     from sparse_ft.experiment.corpus import RETRIEVAL_FRACTION, build_corpus, fits_one, load_blocks
     from sparse_ft.experiment.retrieval_docs import COPY_NAMES
     from sparse_ft.evaluation.tokens import load_tokens
-    from sparse_ft.files.outputs import check_apart, check_output_dir
+    from sparse_ft.files.outputs import check_apart, check_claimable, check_output_dir
 
     corpus, output = Path(corpus), Path(output)
     cfg.validate()  # before the corpus is built: a bad setting costs seconds, not minutes
@@ -330,8 +381,12 @@ def pretrain(cfg: PretrainConfig, corpus: Path = CORPUS_DIR, output: Path = ASSE
         raise ValueError(f"--max-positions {cfg.max_positions} sets a fresh model's window; with --init-from the "
                          "checkpoint's own is kept (omit one of them)")
     copy_names = COPY_NAMES if copy_names is None else copy_names
-    check_apart(output, "--output", {"--corpus": corpus, "--init-from": init_from and Path(init_from)})
+    run_dir = output.with_name(output.name + ".run") if run_dir is None else Path(run_dir)
+    inputs = {"--corpus": corpus, "--init-from": init_from and Path(init_from)}
+    check_apart(output, "--output", {**inputs, "--run-dir": run_dir})
+    check_apart(run_dir, "--run-dir", {**inputs, "--output": output})
     check_output_dir(output, overwrite)
+    check_claimable(run_dir, WRITER, "--run-dir")  # before the corpus is built; train() claims it
     build = not (corpus / "corpus.json").exists()
     if build:  # into a new or empty directory: its files have fixed names
         check_apart(corpus, "--corpus", {"--init-from": init_from and Path(init_from)})
@@ -364,7 +419,7 @@ def pretrain(cfg: PretrainConfig, corpus: Path = CORPUS_DIR, output: Path = ASSE
         stats_file = Path(init_from) / STATS_FILE
         previous = json.loads(stats_file.read_text()) if stats_file.is_file() else {"checkpoint": str(init_from)}
     began = time.perf_counter()
-    model, stats = train(cfg, load_blocks(corpus), progress, init_from, source=str(corpus / "train.bin"))
+    model, stats = train(cfg, load_blocks(corpus), progress, init_from, source=str(corpus / "train.bin"), run_dir=run_dir)
     if previous is not None:
         stats["previous_phase"] = previous
     val = load_tokens(str(corpus / "val.bin"), tokenizer, model.config.vocab_size)
@@ -374,6 +429,7 @@ def pretrain(cfg: PretrainConfig, corpus: Path = CORPUS_DIR, output: Path = ASSE
     stats.update(config=asdict(cfg), corpus=json.loads((corpus / "corpus.json").read_text()), machine=describe(),
                  wall_seconds=time.perf_counter() - began, saved_dtype=cfg.save_dtype)
     save(model, tokenizer, stats, output, save_dtype=cfg.save_dtype, overwrite=overwrite)
+    remove_run(run_dir)
     return stats
 
 
@@ -385,6 +441,7 @@ FLAGS = {  # PretrainConfig fields the command line sets, with their help
     "steps": "optimizer steps", "batch_size": "blocks per step", "warmup_steps": "linear warmup steps",
     "seed": "seed of the model, data order and passkeys", "passkey_trials": "passkey keys per depth in the final check",
     "eval_windows": "validation windows of the final PPL", "lr": "peak learning rate",
+    "save_minutes": "minutes between the checkpoints a killed run resumes from (0: none before the last step)",
 }
 
 
@@ -394,6 +451,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", type=Path, default=ASSET_DIR,
                    help="checkpoint directory; new, empty, or an earlier output with --overwrite")
     p.add_argument("--overwrite", action="store_true", help="replace --output when it holds an earlier sparse-ft output")
+    p.add_argument("--run-dir", type=Path, default=None,
+                   help="the training run's checkpoints (default: OUTPUT.run); run the same command again to resume a "
+                        "killed or stopped run from there; removed once --output is saved")
     for key, text in FLAGS.items():
         p.add_argument("--" + key.replace("_", "-"), type=type(getattr(defaults, key)), default=getattr(defaults, key), help=text)
     p.add_argument("--tokenizer", choices=TOKENIZERS, default=defaults.tokenizer,
@@ -448,7 +508,7 @@ def run(args) -> int:
     stats = pretrain(cfg, args.corpus, args.output, init_from=args.init_from, retrieval_fraction=args.retrieval_fraction,
                      max_blocks=args.max_blocks, text_passes=args.text_passes, copy_fraction=args.copy_fraction,
                      full_fraction=args.full_fraction, lookup_fraction=args.lookup_fraction, copy_pieces=args.copy_pieces,
-                     copy_names=args.copy_names, overwrite=args.overwrite)
+                     copy_names=args.copy_names, overwrite=args.overwrite, run_dir=args.run_dir)
     ev = stats["evaluation"]
     print(f"{stats['tokens']} tokens, {stats['steps']} steps in {stats['train_seconds']:.0f} s; final loss "
           f"{stats['final_loss']:.3f}; val PPL@{cfg.context} {ev['val_ppl']:.3f}; passkey accuracy "

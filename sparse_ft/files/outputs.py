@@ -34,7 +34,7 @@ import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Callable, Iterator, Optional
+from typing import IO, Callable, Iterable, Iterator, Optional
 
 OUTPUT_MARKER = ".sparse-ft-output"  # in every directory sparse-ft writes, naming the command
 OUTPUT_FIELD = "sparse_ft_output"  # in every results file sparse-ft writes (JSON field, PNG text), naming the command
@@ -185,12 +185,9 @@ def check_apart(output: Path, flag: str, inputs: dict[str, Optional[str | os.Pat
             raise ValueError(f"{flag} {output} overlaps {name} {value}; write the output outside it")
 
 
-def claim_directory(directory: Path, writer: str, flag: str, *, legacy: Callable[[Path], bool] = lambda _: False) -> None:
-    """Make ``directory`` the one ``writer`` keeps writing into: a new or empty one is marked
-    (``OUTPUT_MARKER`` naming ``writer``, shared); one marked so already, or one written before
-    markers that ``legacy`` recognises (left as it is: a command refused later has changed
-    nothing), stays ``writer``'s. Any other is refused: a non-empty directory of the user's,
-    another command's output. A link to a directory is followed: the user has put it there."""
+def check_claimable(directory: Path, writer: str, flag: str, *, legacy: Callable[[Path], bool] = lambda _: False) -> bool:
+    """Refuse, writing nothing, what :func:`claim_directory` would: a file, another command's
+    output, a non-empty directory of the user's. True when the directory is still to be marked."""
     directory = Path(directory)
     check_parent_writable(directory, flag)
     if directory.exists() and not directory.is_dir():
@@ -199,15 +196,40 @@ def claim_directory(directory: Path, writer: str, flag: str, *, legacy: Callable
     if found is not None:
         if found != (writer, True):
             raise ValueError(f"{flag} {directory} holds the output of `{found[0]}`; name a new or empty directory")
-        return
+        return False
     if directory.exists() and any(directory.iterdir()):
         if legacy(directory):
-            return
+            return False
         raise ValueError(f"{flag} {directory} is not empty and was not written by `{writer}` (no {OUTPUT_MARKER}); "
                          "name a new or empty directory")
+    return True
+
+
+def claim_directory(directory: Path, writer: str, flag: str, *, legacy: Callable[[Path], bool] = lambda _: False) -> None:
+    """Make ``directory`` the one ``writer`` keeps writing into: a new or empty one is marked
+    (``OUTPUT_MARKER`` naming ``writer``, shared); one marked so already, or one written before
+    markers that ``legacy`` recognises (left as it is: a command refused later has changed
+    nothing), stays ``writer``'s. Any other is refused: a non-empty directory of the user's,
+    another command's output. A link to a directory is followed: the user has put it there."""
+    directory = Path(directory)
+    if not check_claimable(directory, writer, flag, legacy=legacy):
+        return
     directory.mkdir(parents=True, exist_ok=True)
     with atomic_file(directory / OUTPUT_MARKER) as f:
         f.write(f"{writer}\n{SHARED}\n")
+
+
+def remove_claimed(directory: Path, names: Iterable[str]) -> None:
+    """Remove ``names`` (what its command wrote) from a directory ``claim_directory`` gave it,
+    then the marker and the directory once nothing else is left: any other file is the user's."""
+    for path in (Path(directory) / name for name in names):
+        if path.is_symlink() or path.is_file():
+            path.unlink()
+        elif path.is_dir():
+            shutil.rmtree(path)
+    if not any(p.name != OUTPUT_MARKER for p in Path(directory).iterdir()):
+        (Path(directory) / OUTPUT_MARKER).unlink(missing_ok=True)
+        Path(directory).rmdir()
 
 
 def scratch_directory(target: Path) -> Path:

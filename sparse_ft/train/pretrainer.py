@@ -25,13 +25,14 @@ class Pretrainer(Trainer):
     token ids. After :meth:`run`, ``model`` is the trained model, for its caller to evaluate
     and save whole."""
 
-    # its run directory is temporary: a checkpoint saved on a signal would not outlive the call
-    stops_on_signals = False
     trains_adapters = False
 
-    def __init__(self, recipe: Recipe, blocks: np.ndarray, progress: bool = True) -> None:
+    def __init__(self, recipe: Recipe, blocks: np.ndarray, progress: bool = True, *, stops_on_signals: bool = True) -> None:
+        """``stops_on_signals``: False when the run directory is temporary (a checkpoint saved on
+        a signal would not outlive the call)."""
         super().__init__(recipe, progress)
         self.blocks = blocks
+        self.stops_on_signals = stops_on_signals
 
     def preflight(self) -> None:
         """The model's checks: there are no adapters to match, and the blocks are in memory.

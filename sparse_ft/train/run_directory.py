@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 
 from sparse_ft.config.loader import RESOLVED_RECIPE
-from sparse_ft.files.outputs import RUN_LOCK, claim_directory, written_by
+from sparse_ft.files.outputs import RUN_LOCK, claim_directory, remove_claimed, written_by
 from sparse_ft.train import checkpoint
 from sparse_ft.train.metrics import LOG_FILE, TENSORBOARD_DIR, WANDB_DIR, WANDB_ID_FILE
 from sparse_ft.train.model_setup import BASE_DIR
@@ -75,3 +75,10 @@ def claim(output_dir: Path, resume: str, overwrite: bool) -> None:
         path = output_dir / name
         path.unlink() if path.is_symlink() or not path.is_dir() else shutil.rmtree(path)
     print(f"train.overwrite_output_dir: deleted {', '.join(stale)} from {output_dir}", flush=True)
+
+
+def remove(output_dir: Path) -> None:
+    """Remove a run whose result was kept elsewhere (``sparse-ft pretrain`` saves the model
+    whole): the names in ``WRITTEN`` and its checkpoints, then the directory once nothing else
+    is in it (any other file is the user's, and keeps it)."""
+    remove_claimed(output_dir, [*WRITTEN, *(p.name for p in checkpoint.checkpoint_dirs(output_dir))])

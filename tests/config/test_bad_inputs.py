@@ -895,6 +895,15 @@ CLI_CASES = {
     "pretrain names in piece spans without piece spans": (
         ["pretrain", "--copy-fraction", "0.3", "--copy-names", "0", "--corpus", "OUT/c", "--output", "OUT/p"], None,
         r"--copy-names 0.0 is a share of the piece spans' items; --copy-pieces 0 draws none \(set --copy-pieces above 0\)"),
+    "pretrain checkpoints at negative minutes": (
+        ["pretrain", "--save-minutes", "-1", "--corpus", "OUT/c", "--output", "OUT/p"], None,
+        r"save_minutes=-1.0 must be > 0 \(minutes between checkpoints\), or 0 for none before the last step"),
+    "pretrain run directory inside the output": (
+        ["pretrain", "--run-dir", "OUT/p/run", "--corpus", "OUT/c", "--output", "OUT/p"], None,
+        r"--output .*/p overlaps --run-dir .*/p/run; write the output outside it"),
+    "pretrain run directory that is a file": (
+        ["pretrain", "--run-dir", "TEXT", "--corpus", "OUT/c", "--output", "OUT/p"], None,
+        r"--run-dir .*/t.txt is a file, not a directory"),
     "pretrain with an unknown retrieval task": (
         ["pretrain", "--retrieval-tasks", "passkey,nope", "--corpus", "OUT/c", "--output", "OUT/p"], None,
         r"retrieval_tasks: 'nope' unknown; allowed: passkey, niah_single_1, .*, fwe, vt_drills, cwe_drills, cwe_pseudo_drills or all"),

@@ -4,6 +4,7 @@ loss; bad settings name the key; the committed bases load with their stated shap
 retrieve inside their windows."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -49,6 +50,8 @@ def test_micro_pretrain_writes_a_loadable_safetensors_checkpoint(corpus, tmp_pat
              init_from=tmp_path / "base")
     rope = [json.loads((tmp_path / d / "config.json").read_text())["rope_parameters"] for d in ("base", "rebased")]
     assert rope == [{"rope_theta": 10000.0, "rope_type": "default"}, {"rope_theta": 5e5, "rope_type": "default"}]  # no stray keys
+    # every phase's run directory (checkpoints, the rebased copy) went once its model was saved
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["base", "phase2", "rebased"]
 
 
 def test_training_is_seeded_and_lowers_the_loss(corpus):
@@ -60,6 +63,73 @@ def test_training_is_seeded_and_lowers_the_loss(corpus):
         assert torch.equal(p, q)
     curve = [c["loss"] for c in stats["loss_curve"]]
     assert curve[-1] < curve[0] - 0.5
+
+
+def killed_at(step: int):
+    """A ``Trainer._step`` that dies (as a kill -9 would, with no save) before step ``step``."""
+    from sparse_ft.train.trainer import Trainer
+
+    def step_or_die(self, index: int, run=Trainer._step) -> dict:
+        if index + 1 == step:
+            raise MemoryError("killed")
+        return run(self, index)
+    return step_or_die
+
+
+def test_a_killed_pretraining_resumes_where_it_stopped_and_ends_where_an_unbroken_one_does(corpus, tmp_path, monkeypatch):
+    """The six-phase base takes two hours: a kill must not cost more than ``save_minutes``
+    (here: every step)."""
+    from sparse_ft.train.trainer import Trainer
+
+    blocks = load_blocks(corpus)
+    cfg = PretrainConfig(**(MICRO | dict(steps=5, save_minutes=1e-9)))
+    unbroken, _ = train(cfg, blocks, progress=False)
+    with monkeypatch.context() as patch:
+        patch.setattr(Trainer, "_step", killed_at(4))
+        with pytest.raises(MemoryError):
+            train(cfg, blocks, progress=False, run_dir=tmp_path / "run")
+    assert [p.name for p in (tmp_path / "run" / "train").glob("checkpoint-*")] == ["checkpoint-3"]
+    with pytest.raises(ValueError, match=r"train\.lr: 0\.003 then, 0\.002 now.*name another --run-dir, or remove"):
+        train(PretrainConfig(**(MICRO | dict(steps=5, save_minutes=1e-9, lr=2e-3))), blocks, progress=False,
+              run_dir=tmp_path / "run")
+    resumed, stats = train(cfg, blocks, progress=False, run_dir=tmp_path / "run")
+    assert stats["resumed_from_step"] == 3 and [c["step"] for c in stats["loss_curve"]] == [1, 2, 3, 4, 5]
+    for p, q in zip(unbroken.parameters(), resumed.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+
+
+def test_a_stop_signal_saves_a_checkpoint_to_resume_and_a_saved_model_removes_its_run(corpus, tmp_path, monkeypatch):
+    import os
+    import signal
+
+    from sparse_ft.train.stopping import Preempted
+    from sparse_ft.train.trainer import Trainer
+
+    def step_then_term(self, index: int, run=Trainer._step) -> dict:
+        if index == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return run(self, index)
+    with monkeypatch.context() as patch:
+        patch.setattr(Trainer, "_step", step_then_term)
+        with pytest.raises(Preempted, match="at step 2: saved checkpoint-2; resume with the same command"):
+            pretrain(PretrainConfig(**MICRO), corpus, tmp_path / "base", progress=False)
+    assert (tmp_path / "base.run" / "train" / "checkpoint-2" / "meta.json").is_file() and not (tmp_path / "base").exists()
+    (tmp_path / "base.run" / "notes.txt").write_text("mine")
+    assert pretrain(PretrainConfig(**MICRO), corpus, tmp_path / "base", progress=False)["resumed_from_step"] == 2
+    assert sorted(p.name for p in (tmp_path / "base.run").iterdir()) == [".sparse-ft-output", "notes.txt"]  # the user's stays
+
+
+def test_a_run_directory_continues_only_the_checkpoint_and_base_it_began_with(corpus, tmp_path):
+    from sparse_ft.experiment.pretrain import rebased
+
+    pretrain(PretrainConfig(**(MICRO | dict(steps=1))), corpus, tmp_path / "base", progress=False)
+    into = tmp_path / "run" / "rebased-base"
+    assert rebased(tmp_path / "base", 5e5, into) == into == rebased(tmp_path / "base", 5e5, into)  # written once
+    with pytest.raises(ValueError, match=rf"--run-dir {tmp_path / 'run'} holds a run that continued .*'rope_theta': 500000"
+                                         r".*this one continues .*'rope_theta': 1000000.0\}: name another --run-dir"):
+        rebased(tmp_path / "base", 1e6, into)
+    with pytest.raises(ValueError, match=r"--run-dir \S+/run overlaps --corpus \S+; write the output outside it"):
+        pretrain(PretrainConfig(**MICRO), corpus, tmp_path / "out", progress=False, run_dir=corpus / "run")
 
 
 def test_pretraining_runs_through_the_trainer_with_its_schedule(corpus, monkeypatch):
@@ -203,3 +273,35 @@ def test_the_base_script_refuses_an_unknown_recipe_in_one_line_before_it_writes(
     assert done.stderr == (f"SPARSE_FT_PHASES={phases}: must be 6 (the recipe), 4 (the recipe before it) or 2 (the base of "
                            "2026-11-27)\n")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_base_script_run_again_keeps_the_phases_it_finished(tmp_path):
+    """A rerun after a kill (the six phases take two hours) starts from the phase in progress:
+    a phase's output of this seed and step count is kept; one of another seed is not."""
+    import subprocess
+    import sys
+
+    from sparse_ft.config.paths import REPO_ROOT
+
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "sparse-ft").write_text("""#!/usr/bin/env bash
+# records its flags and writes the stats a phase's output holds
+echo "$*" >> "$CALLS"
+while [ $# -gt 0 ]; do case $1 in --output) out=$2;; --steps) steps=$2;; --seed) seed=$2;; esac; shift; done
+mkdir -p "$out" && echo "{\\"config\\": {\\"seed\\": $seed}, \\"steps\\": $steps}" > "$out/pretrain_stats.json"
+""")
+    (fake / "sparse-ft").chmod(0o755)
+    env = {"PATH": f"{fake}:{Path(sys.executable).parent}:/usr/bin:/bin", "SPARSE_FT_PHASES": "2", "CALLS": str(tmp_path / "calls")}
+
+    def run(seed: int) -> list[str]:
+        (tmp_path / "calls").write_text("")
+        done = subprocess.run(["bash", str(REPO_ROOT / "scripts" / "pretrain_bpe_base.sh"), str(seed), str(tmp_path / "out"),
+                               str(tmp_path / "work")], env=env, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        return [line.split("--output ")[1].split()[0] for line in (tmp_path / "calls").read_text().splitlines()]
+
+    assert run(3) == [str(tmp_path / "work" / "phase1"), str(tmp_path / "out")]
+    (tmp_path / "out" / "pretrain_stats.json").unlink()  # killed in the last phase
+    assert run(3) == [str(tmp_path / "out")]
+    assert run(4) == [str(tmp_path / "work" / "phase1"), str(tmp_path / "out")]  # another seed's phases are not this one's
