@@ -37,6 +37,10 @@ if TYPE_CHECKING:
 HELP = "pretrain the tiny RoPE base model of the built-in experiment"
 CORPUS_DIR = Path("data/corpus/ctx256")
 STATS_FILE = "pretrain_stats.json"
+WRITER = "sparse-ft pretrain"  # the command named by the markers of its outputs and run directories
+TRAINING = "train"  # in the run directory: the trainer's output directory (its checkpoints)
+REBASED = "rebased-base"  # in the run directory: the checkpoint a phase continues, at its new RoPE base
+REBASED_FROM = "rebased_from.json"  # in it: which checkpoint, at which base
 
 
 @dataclass
@@ -220,12 +224,6 @@ def train(cfg: PretrainConfig, blocks: np.ndarray, progress: bool = True, init_f
              "parameters": sum(p.numel() for p in trainer.model.parameters()),
              "resumed_from_step": trainer.start}  # train_seconds and tokens_per_second: the steps after it
     return trainer.model.eval(), stats
-
-
-WRITER = "sparse-ft pretrain"  # the command named by the markers of its outputs and run directories
-TRAINING = "train"  # in the run directory: the trainer's output directory (its checkpoints)
-REBASED = "rebased-base"  # in the run directory: the checkpoint a phase continues, at its new RoPE base
-REBASED_FROM = "rebased_from.json"  # in it: which checkpoint, at which base
 
 
 def remove_run(run_dir: Path) -> None:
