@@ -1,6 +1,7 @@
 """Can a base learn to match keys at all? Train it on drills alone and watch (issue 33).
 
-    python scripts/probe_drills.py BASE OUTPUT [--steps 800] [--keys 8] [--length 512] [--seed 1] [--threads 1]
+    python scripts/probe_drills.py BASE OUTPUT [--steps 800] [--until 0.95 --max-steps 1600] [--keys 8] [--length 512]
+                                               [--seed 1] [--threads 1]
 
 niah_multikey_1 asks for one of four needles' values; a base that has copy heads but no key
 matching answers with a needle at random (0.2-0.3). This probe continues BASE's training on
@@ -9,7 +10,10 @@ values; no haystack), then RULER's answer sentence for keys drawn at random, eac
 its value, to the document's end (the drills of ``retrieval_docs.Lookup``, at full density).
 Every 50 steps it prints the share of drills on 16 held-out documents whose first digit (the
 choice of needle: the digits after it are copying) and whole value the model predicts,
-teacher-forced. It writes the trained checkpoint to OUTPUT and the curve to OUTPUT/probe.json;
+teacher-forced. With ``--until``, training goes on past ``--steps`` in 50-step spans until the
+first digit reaches that share (or ``--max-steps``): seeds form the matching at different times
+(seed 3 by step 200, seed 1 not by 400). The lr is constant, so a longer run is the same run
+continued. It writes the trained checkpoint to OUTPUT and the curve to OUTPUT/probe.json;
 ``sparse-ft eval ruler --model OUTPUT`` then says whether the matching carries over to RULER.
 Full-parameter AdamW at a constant lr, loss on every token. Its checkpoint is also the first half of
 the drilled base: `sparse-ft pretrain --init-from OUTPUT --lookup-fraction 0.9 ...` (docs/experiment.md).
@@ -71,6 +75,9 @@ def main() -> None:
     p.add_argument("base")
     p.add_argument("output", type=Path)
     p.add_argument("--steps", type=int, default=800)
+    p.add_argument("--until", type=float, default=None,
+                   help="after --steps, go on until the first-digit share reaches this (default: stop at --steps)")
+    p.add_argument("--max-steps", type=int, default=None, help="with --until, stop here whatever the share (default 4 x --steps)")
     p.add_argument("--keys", type=int, default=8, help="needles per document (default 8)")
     p.add_argument("--length", type=int, default=512, help="tokens per document (default 512)")
     p.add_argument("--batch-size", type=int, default=8)
@@ -78,6 +85,11 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=1, help="the documents' random stream (default 1)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     args = p.parse_args()
+    if args.until is not None and not 0 < args.until <= 1:
+        p.error(f"--until {args.until}: must be a share in (0, 1]")
+    max_steps = args.steps if args.until is None else (args.max_steps or 4 * args.steps)
+    if max_steps < args.steps:
+        p.error(f"--max-steps {max_steps}: must be at least --steps {args.steps}")
     if args.output.exists() and any(args.output.iterdir()):
         raise SystemExit(f"OUTPUT {args.output} is not empty; name a new directory")
     torch.set_num_threads(args.threads)
@@ -89,13 +101,15 @@ def main() -> None:
     curve = [{"step": 0, "first_digit": (acc := accuracy(model, tokenizer, keys, args.keys, args.length))[0],
               "whole_value": acc[1]}]
     print(f"step 0 first digit / whole value {acc}", flush=True)
-    for step in range(1, args.steps + 1):
+    step = 0
+    while step < args.steps or (step < max_steps and acc[0] < args.until):
+        step += 1
         batch = torch.tensor([document(tokenizer, keys, rng, args.keys, args.length)[0] for _ in range(args.batch_size)])
         loss = model(batch, labels=batch).loss
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        if step % 50 == 0:
+        if step % 50 == 0 or step in (args.steps, max_steps):
             acc = accuracy(model, tokenizer, keys, args.keys, args.length)
             seconds = time.perf_counter() - began
             curve.append({"step": step, "loss": loss.item(), "first_digit": acc[0], "whole_value": acc[1], "seconds": seconds})
@@ -104,7 +118,7 @@ def main() -> None:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / "probe.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                                    "curve": curve}, indent=1))
+                                                    "steps": step, "curve": curve}, indent=1))
 
 
 if __name__ == "__main__":
