@@ -22,10 +22,10 @@
 #    whole block, the text laid out three times, cosine lr from 1e-3, 1,000 x 4 (1,800 x 4 with
 #    SPARSE_FT_PHASES=2, which stops here).
 # 4. Key matching: drills alone (needles of RULER's form, then RULER's answer sentence for keys
-#    at random, each with its value; scripts/probe_drills.py), 400 x 8 at 512 tokens, then on in
-#    50-step spans until the first digit of the asked value is right in 95 % of held-out drills (at
-#    most 1,200 steps). It forms at different times: seed 3 by step 200 (0.977 at 400), seed 1 not
-#    by 400 (0.486), which left its base short of the bar.
+#    at random, each with its value; scripts/probe_drills.py), 400 x 8 at 512 tokens, then (six
+#    phases) on in 50-step spans until the first digit of the asked value is right in 95 % of
+#    held-out drills, at most 1,200 steps. Matching forms at different times: seed 3 by step 200
+#    (0.977 at 400), seed 1 not by 400 (0.486), which left its base short of the bar.
 # 5. (six phases) vt and cwe drills: variable-tracking chains and common-words lists of made-up
 #    words, each asked and answered, 70 % of blocks, and 30 % copies of ids and names, 400 x 4.
 # 6. (six phases) The mix at C = 1,024: lookup documents 55 % (needles, one key asked, then drills
@@ -80,10 +80,12 @@ if [ "$phases" = 6 ]; then
     reach=("$work/phase3" 1000 --corpus "$work/corpus-reach-ids" --init-from "$work/phase2" --max-blocks 4000
            --passkey-trials 0 --copy-pieces 0.5 --copy-names 0)
     drills=$work/phase4
+    until=(--until 0.95 --max-steps 1200)
 elif [ "$phases" = 4 ]; then
     reach=("$work/phase2" 1000 --corpus "$work/corpus-reach" --init-from "$work/phase1" --max-blocks 4000
            --passkey-trials 0)
     drills=$work/phase3
+    until=()  # 400 steps, as this recipe ran
 else
     reach=("$output" 1800 --corpus "$work/corpus-reach" --init-from "$work/phase1" --max-blocks 7200
            --passkey-trials 10)
@@ -93,7 +95,7 @@ phase "${reach[@]}" "${at_c[@]}" --rope-theta 500000 --retrieval-tasks all \
 [ "$phases" = 2 ] && exit 0
 
 if [ ! -f "$drills/probe.json" ]; then  # written last: the phase is done
-    python "$(dirname "$0")/probe_drills.py" "${reach[0]}" "$drills" --steps 400 --until 0.95 --max-steps 1200 \
+    python "$(dirname "$0")/probe_drills.py" "${reach[0]}" "$drills" --steps 400 "${until[@]}" \
         --seed "$seed" --threads "$threads"
 fi
 

@@ -1,0 +1,59 @@
+"""scripts/probe_drills.py, phase 4 of the BPE base's recipe: with --until it trains past --steps
+until the first-digit share reaches the bar or --max-steps is spent, and records where it stopped;
+without it, exactly --steps (the runs that made the committed bases). Bad bounds are refused."""
+
+import json
+import re
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+import probe_drills  # noqa: E402
+
+BASE = str(ROOT / "assets" / "tiny-base-bpe")
+SMALL = ["--batch-size", "1", "--length", "96", "--keys", "2"]
+
+
+def _run(monkeypatch, base: str, out: Path, *flags: str) -> dict:
+    # a few keys instead of the corpus's 90,000 words (reading the corpus takes seconds)
+    monkeypatch.setattr(probe_drills, "training_texts", lambda: [])
+    monkeypatch.setattr(probe_drills, "training_words", lambda texts: SimpleNamespace(keys=["apple", "river", "stone"]))
+    monkeypatch.setattr(sys, "argv", ["probe_drills.py", base, str(out), *SMALL, *flags])
+    probe_drills.main()
+    return json.loads((out / "probe.json").read_text())
+
+
+def test_until_unreached_runs_to_max_steps_and_checks_at_both_ends(monkeypatch, tmp_path):
+    # random weights match no key: the bar is never met, so it trains on to --max-steps
+    fresh = tmp_path / "fresh"
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(BASE)).save_pretrained(fresh)
+    AutoTokenizer.from_pretrained(BASE).save_pretrained(fresh)
+    probe = _run(monkeypatch, str(fresh), tmp_path / "p", "--steps", "1", "--until", "0.99", "--max-steps", "3")
+    assert probe["steps"] == 3
+    assert [point["step"] for point in probe["curve"]] == [0, 1, 3]  # the check at --steps decides going on
+    assert (tmp_path / "p" / "model.safetensors").is_file()
+
+
+def test_until_reached_stops_at_steps(monkeypatch, tmp_path):
+    # the committed base already matches keys: a bar of 0.01 is met at --steps, as seed 3's 0.95 was
+    # at 400, so that base is made by the same 400 steps as before --until existed
+    probe = _run(monkeypatch, BASE, tmp_path / "p", "--steps", "2", "--until", "0.01")
+    assert probe["steps"] == 2 and probe["curve"][-1]["first_digit"] >= 0.01
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--until", "0"], r"--until 0.0: must be a share in \(0, 1\]"),
+    (["--until", "1.5"], r"--until 1.5: must be a share"),
+    (["--steps", "5", "--until", "0.9", "--max-steps", "3"], r"--max-steps 3: must be at least --steps 5"),
+])
+def test_bad_bounds_are_refused(monkeypatch, tmp_path, capsys, flags, message):
+    monkeypatch.setattr(sys, "argv", ["probe_drills.py", BASE, str(tmp_path / "p"), *flags])
+    with pytest.raises(SystemExit):
+        probe_drills.main()
+    assert re.search(message, capsys.readouterr().err)
+    assert not (tmp_path / "p").exists()
