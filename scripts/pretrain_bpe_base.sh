@@ -25,7 +25,8 @@
 #    at random, each with its value; scripts/probe_drills.py), 400 x 8 at 512 tokens, then (six
 #    phases) on in 50-step spans until the first digit of the asked value is right in 95 % of
 #    held-out drills, at most 1,200 steps. Matching forms at different times: seed 3 by step 200
-#    (0.977 at 400), seed 1 not by 400 (0.486), which left its base short of the bar.
+#    (0.977 at 400, so it stops there), seed 1 not by 400 (0.486, which left its base short of the
+#    bar) but by 750 (0.955).
 # 5. (six phases) vt and cwe drills: variable-tracking chains and common-words lists of made-up
 #    words, each asked and answered, 70 % of blocks, and 30 % copies of ids and names, 400 x 4.
 # 6. (six phases) The mix at C = 1,024: lookup documents 55 % (needles, one key asked, then drills
