@@ -85,6 +85,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=1, help="the documents' random stream (default 1)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     args = p.parse_args()
+    if args.max_steps is not None and args.until is None:
+        p.error(f"--max-steps {args.max_steps}: only with --until (without it training stops at --steps {args.steps})")
     if args.until is not None and not 0 < args.until <= 1:
         p.error(f"--until {args.until}: must be a share in (0, 1]")
     max_steps = args.steps if args.until is None else (args.max_steps or 4 * args.steps)

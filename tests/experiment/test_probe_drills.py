@@ -50,6 +50,7 @@ def test_until_reached_stops_at_steps(monkeypatch, tmp_path):
     (["--until", "0"], r"--until 0.0: must be a share in \(0, 1\]"),
     (["--until", "1.5"], r"--until 1.5: must be a share"),
     (["--steps", "5", "--until", "0.9", "--max-steps", "3"], r"--max-steps 3: must be at least --steps 5"),
+    (["--max-steps", "900"], r"--max-steps 900: only with --until"),
 ])
 def test_bad_bounds_are_refused(monkeypatch, tmp_path, capsys, flags, message):
     monkeypatch.setattr(sys, "argv", ["probe_drills.py", BASE, str(tmp_path / "p"), *flags])
