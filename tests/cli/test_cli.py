@@ -29,11 +29,12 @@ def _parsers(parser: argparse.ArgumentParser, name: str = "sparse-ft"):
 
 
 def test_help_builds_every_parser_without_torch():
-    code = ("import sys, time; began = time.perf_counter(); from sparse_ft.cli import build_parser; build_parser(); "
-            "print(time.perf_counter() - began, sorted({'torch', 'transformers', 'numpy'} & set(sys.modules)))")
+    """``--help`` stays instant because building the parsers imports none of the heavy modules;
+    that is asserted, not a time (a timed bound failed at 2.1 s on a loaded 2-core machine)."""
+    code = ("import sys; from sparse_ft.cli import build_parser; build_parser(); "
+            "print(sorted({'torch', 'transformers', 'numpy'} & set(sys.modules)))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
-    seconds, heavy = done.stdout.split(maxsplit=1)
-    assert heavy.strip() == "[]" and float(seconds) < 0.5, done.stdout
+    assert done.stdout.strip() == "[]", done.stdout
 
 
 def test_every_flag_has_help_and_a_default():
