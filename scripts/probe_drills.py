@@ -1,7 +1,7 @@
 """Can a base learn to match keys at all? Train it on drills alone and watch (issue 33).
 
     python scripts/probe_drills.py BASE OUTPUT [--steps 800] [--until 0.95 --max-steps 1600] [--keys 8] [--length 512]
-                                               [--seed 1] [--threads 1]
+                                               [--until-task niah_multikey_1 --until-samples 30] [--seed 1] [--threads 1]
 
 niah_multikey_1 asks for one of four needles' values; a base that has copy heads but no key
 matching answers with a needle at random (0.2-0.3). This probe continues BASE's training on
@@ -12,7 +12,11 @@ Every 50 steps it prints the share of drills on 16 held-out documents whose firs
 choice of needle: the digits after it are copying) and whole value the model predicts,
 teacher-forced. With ``--until``, training goes on past ``--steps`` in 50-step spans until the
 first digit reaches that share (or ``--max-steps``): seeds form the matching at different times
-(seed 3 by step 200, seed 1 not by 400). The lr is constant, so a longer run is the same run
+(seed 3 by step 200, seed 1 not by 400). With ``--until-task`` the share that decides is
+that RULER task's score at the base's context C on ``--until-samples`` held-out prompts
+(:mod:`sparse_ft.experiment.heldout`: training words and text, a seed space of its own; the
+drills pass at 512 tokens long before a base picks one needle of four at C: seed 2's drills read
+0.977 where RULER's niah_multikey_1 read 0.72). The lr is constant, so a longer run is the same run
 continued. It writes the trained checkpoint to OUTPUT and the curve to OUTPUT/probe.json;
 ``sparse-ft eval ruler --model OUTPUT`` then says whether the matching carries over to RULER.
 Full-parameter AdamW at a constant lr, loss on every token. Its checkpoint is also the first half of
@@ -28,10 +32,13 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from sparse_ft.evaluation.tasks.generation import registered_ruler_tasks
 from sparse_ft.evaluation.tasks.niah import NEEDLE
+from sparse_ft.experiment.heldout import HeldOut
 from sparse_ft.experiment.retrieval_docs import DRILL, training_words
 from sparse_ft.experiment.tokenizer import training_texts
 from sparse_ft.files.outputs import atomic_directory
+from sparse_ft.modeling.rope import original_context
 
 
 def document(tokenizer, keys: list[str], rng: random.Random, n: int, length: int) -> tuple[list[int], list[tuple[int, int]]]:
@@ -76,8 +83,13 @@ def main() -> None:
     p.add_argument("output", type=Path)
     p.add_argument("--steps", type=int, default=800)
     p.add_argument("--until", type=float, default=None,
-                   help="after --steps, go on until the first-digit share reaches this (default: stop at --steps)")
+                   help="after --steps, go on until the first-digit share (or --until-task's score) reaches this "
+                        "(default: stop at --steps)")
     p.add_argument("--max-steps", type=int, default=None, help="with --until, stop here whatever the share (default 4 x --steps)")
+    p.add_argument("--until-task", default=None,
+                   help="with --until, the share is this RULER task's held-out score at the base's context "
+                        "(sparse_ft.experiment.heldout), not the drills' first digit")
+    p.add_argument("--until-samples", type=int, default=30, help="held-out prompts of --until-task (default 30)")
     p.add_argument("--keys", type=int, default=8, help="needles per document (default 8)")
     p.add_argument("--length", type=int, default=512, help="tokens per document (default 512)")
     p.add_argument("--batch-size", type=int, default=8)
@@ -89,6 +101,12 @@ def main() -> None:
         p.error(f"--max-steps {args.max_steps}: only with --until (without it training stops at --steps {args.steps})")
     if args.until is not None and not 0 < args.until <= 1:
         p.error(f"--until {args.until}: must be a share in (0, 1]")
+    if args.until_task is not None and args.until is None:
+        p.error(f"--until-task {args.until_task}: only with --until (the share it reads decides when to stop)")
+    if args.until_task is not None and args.until_task not in (tasks := registered_ruler_tasks()):
+        p.error(f"--until-task {args.until_task}: not a RULER task; one of {', '.join(tasks)}")
+    if args.until_samples < 1:
+        p.error(f"--until-samples {args.until_samples}: must be >= 1")
     max_steps = args.steps if args.until is None else (args.max_steps or 4 * args.steps)
     if max_steps < args.steps:
         p.error(f"--max-steps {max_steps}: must be at least --steps {args.steps}")
@@ -97,14 +115,31 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     tokenizer = AutoTokenizer.from_pretrained(args.base)
     model = AutoModelForCausalLM.from_pretrained(args.base)
-    keys = list(training_words(training_texts()).keys)
+    texts = list(training_texts())
+    keys = list(training_words(texts).keys)
+    held = None
+    if args.until_task is not None:
+        context = original_context(model.config)
+        held = HeldOut(tokenizer, [args.until_task], length=context, samples=args.until_samples, texts=texts)
+
+    def measure() -> dict:
+        """The curve's point: the drills' shares, and the held-out task's score when one decides."""
+        first, whole = accuracy(model, tokenizer, keys, args.keys, args.length)
+        point = {"first_digit": first, "whole_value": whole}
+        if held is not None:
+            point[args.until_task] = held.scores(model)[args.until_task]
+        return point
+
+    def share(point: dict) -> float:
+        return point[args.until_task] if held is not None else point["first_digit"]
+
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     rng, began = random.Random(args.seed), time.perf_counter()
-    curve = [{"step": 0, "first_digit": (acc := accuracy(model, tokenizer, keys, args.keys, args.length))[0],
-              "whole_value": acc[1]}]
-    print(f"step 0 first digit / whole value {acc}", flush=True)
+    point = measure()
+    curve = [{"step": 0, **point}]
+    print(f"step 0 {point}", flush=True)
     step = 0
-    while step < args.steps or (step < max_steps and acc[0] < args.until):
+    while step < args.steps or (step < max_steps and share(point) < args.until):
         step += 1
         batch = torch.tensor([document(tokenizer, keys, rng, args.keys, args.length)[0] for _ in range(args.batch_size)])
         loss = model(batch, labels=batch).loss
@@ -112,10 +147,10 @@ def main() -> None:
         loss.backward()
         optimizer.step()
         if step % 50 == 0 or step in (args.steps, max_steps):
-            acc = accuracy(model, tokenizer, keys, args.keys, args.length)
+            point = measure()
             seconds = time.perf_counter() - began
-            curve.append({"step": step, "loss": loss.item(), "first_digit": acc[0], "whole_value": acc[1], "seconds": seconds})
-            print(f"step {step} loss {loss.item():.3f} first digit / whole value {acc} {seconds:.0f} s", flush=True)
+            curve.append({"step": step, "loss": loss.item(), **point, "seconds": seconds})
+            print(f"step {step} loss {loss.item():.3f} {point} {seconds:.0f} s", flush=True)
     with atomic_directory(args.output, "scripts/probe_drills.py", False, "OUTPUT") as tmp:  # whole, or not at all
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)

@@ -39,6 +39,25 @@ def test_until_unreached_runs_to_max_steps_and_checks_at_both_ends(monkeypatch, 
     assert (tmp_path / "p" / "model.safetensors").is_file()
 
 
+def test_until_task_decides_by_the_held_out_score(monkeypatch, tmp_path):
+    # the committed base's drills pass a bar of 0.01 at once; the held-out needle of four, asked
+    # of fresh weights, scores 0: the run goes on to --max-steps, each point recording both
+    from sparse_ft.data.stdlib_text import iter_stdlib_documents
+
+    fresh = tmp_path / "fresh"
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(BASE)).save_pretrained(fresh)
+    AutoTokenizer.from_pretrained(BASE).save_pretrained(fresh)
+    texts = list(iter_stdlib_documents(("heapq", "textwrap", "string", "fractions", "queue", "bisect")))
+    monkeypatch.setattr(probe_drills, "training_texts", lambda: texts)
+    monkeypatch.setattr(sys, "argv", ["probe_drills.py", str(fresh), str(tmp_path / "p"), *SMALL, "--steps", "1",
+                                      "--until", "0.5", "--max-steps", "2", "--until-task", "niah_multikey_1",
+                                      "--until-samples", "1"])
+    probe_drills.main()
+    probe = json.loads((tmp_path / "p" / "probe.json").read_text())
+    assert probe["steps"] == 2 and [point["step"] for point in probe["curve"]] == [0, 1, 2]
+    assert all(point["niah_multikey_1"] == 0.0 and "first_digit" in point for point in probe["curve"])
+
+
 def test_until_reached_stops_at_steps(monkeypatch, tmp_path):
     # the committed base already matches keys: a bar of 0.01 is met at --steps, as seed 3's 0.95 was
     # at 400, so that base is made by the same 400 steps as before --until existed
@@ -51,6 +70,9 @@ def test_until_reached_stops_at_steps(monkeypatch, tmp_path):
     (["--until", "1.5"], r"--until 1.5: must be a share"),
     (["--steps", "5", "--until", "0.9", "--max-steps", "3"], r"--max-steps 3: must be at least --steps 5"),
     (["--max-steps", "900"], r"--max-steps 900: only with --until"),
+    (["--until-task", "niah_multikey_1"], r"--until-task niah_multikey_1: only with --until"),
+    (["--until", "0.9", "--until-task", "passkey"], r"--until-task passkey: not a RULER task; one of niah_single_1, "),
+    (["--until", "0.9", "--until-task", "niah_multikey_1", "--until-samples", "0"], r"--until-samples 0: must be >= 1"),
 ])
 def test_bad_bounds_are_refused(monkeypatch, tmp_path, capsys, flags, message):
     monkeypatch.setattr(sys, "argv", ["probe_drills.py", BASE, str(tmp_path / "p"), *flags])

@@ -1,0 +1,70 @@
+"""``sparse_ft.experiment.heldout``: RULER's task on training words and text, the score a
+pretraining phase may train toward. Its prompts fit their length and draw no evaluation word; it
+tells the committed base (which picks one needle of four, RULER's niah_multikey_1 0.96) from
+fresh weights; two builds hold the same prompts (a resumed curve compares like with like)."""
+
+import re
+from pathlib import Path
+
+import pytest
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from sparse_ft.data.stdlib_text import iter_stdlib_documents
+from sparse_ft.evaluation.words import EVALUATION
+from sparse_ft.experiment.heldout import HeldOut
+from sparse_ft.experiment.retrieval_docs import training_words
+from sparse_ft.config.paths import BPE_BASE_DIR
+
+MODULES = ("heapq", "textwrap", "string", "fractions", "queue", "bisect")
+
+
+@pytest.fixture(scope="module")
+def texts():
+    return list(iter_stdlib_documents(MODULES))
+
+
+@pytest.fixture(scope="module")
+def held(texts):
+    # 512 tokens, not C: the same check at half the cost of a test
+    return HeldOut(AutoTokenizer.from_pretrained(BPE_BASE_DIR), ["niah_multikey_1"], length=512, samples=3, texts=texts)
+
+
+def test_prompts_fit_and_ask_for_training_keys_only(held, texts):
+    task, prompts = held.prompts["niah_multikey_1"]
+    keys = set(training_words(texts).keys)
+    for prompt in prompts:
+        assert prompt.tokens + task.tokens_to_generate <= 512
+        asked = set(re.findall(r"for (\S+) is: \d+\.", prompt.sample.context))
+        assert asked and asked <= keys and not asked & set(EVALUATION.keys)
+    assert len({p.sample.answers for p in prompts}) == len(prompts)  # each its own draw
+    again = HeldOut(AutoTokenizer.from_pretrained(BPE_BASE_DIR), ["niah_multikey_1"], length=512, samples=3, texts=texts)
+    assert [p.context_ids for p in again.prompts["niah_multikey_1"][1]] == [p.context_ids for p in prompts]
+
+
+def test_it_tells_a_retrieving_base_from_fresh_weights(held):
+    base = AutoModelForCausalLM.from_pretrained(BPE_BASE_DIR)
+    assert held.scores(base)["niah_multikey_1"] >= 2 / 3
+    fresh = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(BPE_BASE_DIR))
+    assert held.scores(fresh) == {"niah_multikey_1": 0.0}
+
+
+def test_no_samples_is_refused(texts):
+    with pytest.raises(ValueError, match="samples 0: must be >= 1"):
+        HeldOut(AutoTokenizer.from_pretrained(BPE_BASE_DIR), ["niah_multikey_1"], length=1024, samples=0, texts=texts)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--tasks", "niah_multikey_1,passkey"], r"--tasks passkey: not a RULER task; one of niah_single_1, "),
+    (["--samples", "0"], r"--samples 0: must be >= 1"),
+])
+def test_the_script_refuses_bad_flags_before_loading(monkeypatch, capsys, flags, message):
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("heldout_check", Path(__file__).parents[2] / "scripts" / "heldout_check.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.setattr(sys, "argv", ["heldout_check.py", "no/such/base", *flags])
+    with pytest.raises(SystemExit):
+        script.main()
+    assert re.search(message, capsys.readouterr().err)
