@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -34,6 +35,8 @@ def main() -> int:
             p.error(f"--tasks {name}: not a RULER task; one of {', '.join(known)}")
     if args.samples < 1:
         p.error(f"--samples {args.samples}: must be >= 1")
+    if not Path(args.base, "config.json").is_file():
+        p.error(f"BASE {args.base}: no checkpoint there (no config.json)")
     torch.set_num_threads(args.threads)
     tokenizer = AutoTokenizer.from_pretrained(args.base)
     model = AutoModelForCausalLM.from_pretrained(args.base)

@@ -31,7 +31,7 @@ class HeldOut:
         essay = [word for text in texts for word in text.split()]
         tasks = retrieval_docs.ruler_tasks(names, tokenizer, retrieval_docs.training_words(texts))
         rng = random.Random("heldout")
-        self.tokenizer, self.length = tokenizer, length
+        self.tokenizer = tokenizer
         self.prompts: dict[str, tuple[Any, list]] = {}
         for name, task in tasks.items():
             prompts = []

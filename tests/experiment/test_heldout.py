@@ -56,6 +56,7 @@ def test_no_samples_is_refused(texts):
 @pytest.mark.parametrize("flags, message", [
     (["--tasks", "niah_multikey_1,passkey"], r"--tasks passkey: not a RULER task; one of niah_single_1, "),
     (["--samples", "0"], r"--samples 0: must be >= 1"),
+    ([], r"BASE no/such/base: no checkpoint there \(no config.json\)"),
 ])
 def test_the_script_refuses_bad_flags_before_loading(monkeypatch, capsys, flags, message):
     import importlib.util

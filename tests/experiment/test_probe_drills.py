@@ -40,8 +40,8 @@ def test_until_unreached_runs_to_max_steps_and_checks_at_both_ends(monkeypatch, 
 
 
 def test_until_task_decides_by_the_held_out_score(monkeypatch, tmp_path):
-    # the committed base's drills pass a bar of 0.01 at once; the held-out needle of four, asked
-    # of fresh weights, scores 0: the run goes on to --max-steps, each point recording both
+    # fresh weights pick no needle of four: the held-out score stays 0, under --until 0.5, so the
+    # run goes on to --max-steps, each point recording the drills' shares beside it
     from sparse_ft.data.stdlib_text import iter_stdlib_documents
 
     fresh = tmp_path / "fresh"
