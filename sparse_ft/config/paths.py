@@ -13,5 +13,5 @@ REPO_ROOT = _PACKAGE_DATA if _PACKAGE_DATA.is_dir() else _PACKAGE_DATA.parent.pa
 RECIPE_DIRS = [REPO_ROOT / "recipes"]
 DS_CONFIG_DIR = REPO_ROOT / "ds_configs"
 TINY_BASE_DIR = REPO_ROOT / "assets" / "tiny-base"  # byte tokenizer, C = 256: the unit tests' quick model
-# BPE tokenizer, C = 1,024, retrieves by construction (SPARSE_FT_PHASES=2 scripts/pretrain_bpe_base.sh 3): the experiment's base
+# BPE tokenizer, C = 1,024, retrieves by construction (scripts/pretrain_bpe_base.sh 3): the experiment's base
 BPE_BASE_DIR = REPO_ROOT / "assets" / "tiny-base-bpe"

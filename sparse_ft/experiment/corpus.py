@@ -55,7 +55,7 @@ def build_corpus(output_dir: Path, tokenizer, context: int = 256, retrieval_frac
                  max_blocks: Optional[int] = None, retrieval_tasks: Sequence[str] = ("passkey",),
                  text_passes: int = 1, copy_fraction: float = 0.0, full_fraction: float = 0.0,
                  lookup_fraction: float = 0.0, copy_pieces: float = 0.0,
-                 copy_names: float = retrieval_docs.COPY_NAMES) -> dict:
+                 copy_names: float = retrieval_docs.COPY_NAMES, keys: str = "frequent") -> dict:
     """Write train.bin, val.bin and corpus.json under ``output_dir``; return the manifest.
 
     ``modules=None`` takes every top-level module of the standard library; ``max_blocks``
@@ -72,6 +72,9 @@ def build_corpus(output_dir: Path, tokenizer, context: int = 256, retrieval_frac
     that makes copying generic); 0 draws what was drawn before. ``copy_names``: the share of
     such a span's items that are names (0: ids alone; the default draws what was drawn before
     the share existed).
+    ``keys``: the needles' keys of every document (:func:`retrieval_docs.training_words`:
+    ``frequent``, what was drawn before the choice existed, or ``rare``, as many BPE pieces a key
+    as the evaluation's).
     ``lookup_fraction`` of the blocks open with a lookup document (:class:`retrieval_docs.Lookup`:
     needles, then every key asked and answered, the signal that teaches matching a key); drawn
     just above the retrieval documents, so 0 draws what was drawn before it existed.
@@ -93,6 +96,8 @@ def build_corpus(output_dir: Path, tokenizer, context: int = 256, retrieval_frac
         raise ValueError(f"copy_pieces={copy_pieces} must be within [0, 1]")
     if not 0.0 <= copy_names <= 1.0:
         raise ValueError(f"copy_names={copy_names} must be within [0, 1]")
+    if keys not in retrieval_docs.KEY_RANKS:
+        raise ValueError(f"keys={keys!r}: one of {', '.join(retrieval_docs.KEY_RANKS)}")
     kinds = list(dict.fromkeys(retrieval_tasks))
     if not kinds:
         raise ValueError("retrieval_tasks is empty; name passkey and/or RULER tasks")
@@ -117,7 +122,7 @@ def build_corpus(output_dir: Path, tokenizer, context: int = 256, retrieval_frac
         raise ValueError(f"val_percent={val_percent} leaves {files} modules per split; both need at least one")
 
     others = [k for k in kinds if k != "passkey"]
-    words = retrieval_docs.training_words(texts) if others or copy_fraction or lookup_fraction else None
+    words = retrieval_docs.training_words(texts, keys=keys) if others or copy_fraction or lookup_fraction else None
     tasks = retrieval_docs.ruler_tasks(others, tokenizer, words) if others else {}
     if lookup_fraction:
         tasks["lookup"] = lookup = retrieval_docs.Lookup()
@@ -171,7 +176,7 @@ def build_corpus(output_dir: Path, tokenizer, context: int = 256, retrieval_frac
         "files": files, "context": context, "max_blocks": max_blocks, "dtype": dtype, "seed": seed,
         "retrieval_fraction": retrieval_fraction, "retrieval_tasks": kinds, "text_passes": text_passes,
         "copy_fraction": copy_fraction, "copy_blocks": opened["copy"] + opened["copy_pieces"], "copy_pieces": copy_pieces,
-        "copy_pieces_blocks": opened["copy_pieces"], "copy_names": copy_names, "lookup_fraction": lookup_fraction,
+        "copy_pieces_blocks": opened["copy_pieces"], "copy_names": copy_names, "keys": keys, "lookup_fraction": lookup_fraction,
         "lookup_blocks": opened["lookup"], "full_fraction": full_fraction, "full_documents": filled,
         "val_percent": val_percent,
         "tokenizer": type(tokenizer).__name__, "vocab_size": vocab,

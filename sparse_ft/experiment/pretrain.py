@@ -335,14 +335,15 @@ def pretrain(cfg: PretrainConfig, corpus: Path = CORPUS_DIR, output: Path = ASSE
              *, init_from: Optional[Path] = None, retrieval_fraction: Optional[float] = None,
              max_blocks: Optional[int] = None, text_passes: int = 1, copy_fraction: float = 0.0,
              full_fraction: float = 0.0, lookup_fraction: float = 0.0, copy_pieces: float = 0.0,
-             copy_names: Optional[float] = None, overwrite: bool = False, run_dir: Optional[Path] = None) -> dict:
+             copy_names: Optional[float] = None, keys: str = "frequent", overwrite: bool = False,
+             run_dir: Optional[Path] = None) -> dict:
     """Build the corpus if missing, train, evaluate, save; returns the stats written (with the
     stats of ``init_from``'s training under ``previous_phase``). ``output`` is checked first:
     apart from the inputs, and an earlier output of this command only with ``overwrite``. The
     training runs in ``run_dir`` (default ``OUTPUT.run``), resuming a run killed there, and
     that directory is removed once the model is saved."""
     from sparse_ft.experiment.corpus import RETRIEVAL_FRACTION, build_corpus, fits_one, load_blocks
-    from sparse_ft.experiment.retrieval_docs import COPY_NAMES
+    from sparse_ft.experiment.retrieval_docs import COPY_NAMES, KEY_RANKS
     from sparse_ft.evaluation.tokens import load_tokens
     from sparse_ft.files.outputs import check_apart, check_claimable, check_output_dir
 
@@ -378,6 +379,8 @@ def pretrain(cfg: PretrainConfig, corpus: Path = CORPUS_DIR, output: Path = ASSE
     if init_from is not None and cfg.max_positions:
         raise ValueError(f"--max-positions {cfg.max_positions} sets a fresh model's window; with --init-from the "
                          "checkpoint's own is kept (omit one of them)")
+    if keys not in KEY_RANKS:
+        raise ValueError(f"--keys {keys}: one of {', '.join(KEY_RANKS)}")
     copy_names = COPY_NAMES if copy_names is None else copy_names
     run_dir = output.with_name(output.name + ".run") if run_dir is None else Path(run_dir)
     inputs = {"--corpus": corpus, "--init-from": init_from and Path(init_from)}
@@ -396,7 +399,7 @@ def pretrain(cfg: PretrainConfig, corpus: Path = CORPUS_DIR, output: Path = ASSE
                      retrieval_fraction=retrieval_fraction,
                      retrieval_tasks=kinds, text_passes=text_passes, copy_fraction=copy_fraction,
                      full_fraction=full_fraction, lookup_fraction=lookup_fraction, copy_pieces=copy_pieces,
-                     copy_names=copy_names)
+                     copy_names=copy_names, keys=keys)
     else:  # a corpus built for other settings would train, silently, on other tokens
         try:
             built = dict(json.loads((corpus / "corpus.json").read_text()))
@@ -404,10 +407,10 @@ def pretrain(cfg: PretrainConfig, corpus: Path = CORPUS_DIR, output: Path = ASSE
             built = {}
         want = {"tokenizer": type(tokenizer).__name__, "retrieval_tasks": kinds, "copy_fraction": copy_fraction,
                 "full_fraction": full_fraction, "lookup_fraction": lookup_fraction, "copy_pieces": copy_pieces,
-                "copy_names": copy_names}
+                "copy_names": copy_names, "keys": keys}
         before = {"tokenizer": "ByT5Tokenizer", "retrieval_tasks": ["passkey"], "copy_fraction": 0.0,
                   "full_fraction": 0.0, "lookup_fraction": 0.0, "copy_pieces": 0.0,
-                  "copy_names": COPY_NAMES}  # corpora built before these keys
+                  "copy_names": COPY_NAMES, "keys": "frequent"}  # corpora built before these keys
         wrong = {k: built.get(k, before[k]) for k in want if built.get(k, before[k]) != want[k]}
         if wrong:
             raise ValueError(f"--corpus {corpus} was built with {wrong}, these settings need "
@@ -482,6 +485,10 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--copy-names", type=float, default=None,
                    help="when the corpus is built here: share of a piece span's items that are capital-letter names, the "
                         "rest ids (0: ids alone, which makes copying generic fastest); default: half")
+    p.add_argument("--keys", choices=("frequent", "rare"), default="frequent",
+                   help="when the corpus is built here: the needles' keys, pairs of the standard library's frequent "
+                        "words, or of rare ones that split into as many BPE pieces as the evaluation's keys; default "
+                        "frequent")
     p.add_argument("--lookup-fraction", type=float, default=0.0,
                    help="when the corpus is built here: share of blocks that open with a lookup document (needles, "
                         "one key asked, then every key and keys at random drilled, each answered: the signal for matching a key); "
@@ -506,7 +513,7 @@ def run(args) -> int:
     stats = pretrain(cfg, args.corpus, args.output, init_from=args.init_from, retrieval_fraction=args.retrieval_fraction,
                      max_blocks=args.max_blocks, text_passes=args.text_passes, copy_fraction=args.copy_fraction,
                      full_fraction=args.full_fraction, lookup_fraction=args.lookup_fraction, copy_pieces=args.copy_pieces,
-                     copy_names=args.copy_names, overwrite=args.overwrite, run_dir=args.run_dir)
+                     copy_names=args.copy_names, keys=args.keys, overwrite=args.overwrite, run_dir=args.run_dir)
     ev = stats["evaluation"]
     print(f"{stats['tokens']} tokens, {stats['steps']} steps in {stats['train_seconds']:.0f} s; final loss "
           f"{stats['final_loss']:.3f}; val PPL@{cfg.context} {ev['val_ppl']:.3f}; passkey accuracy "

@@ -911,6 +911,11 @@ CLI_CASES = {
         ["pretrain", "--tokenizer", "bpe", "--corpus", "DATA", "--output", "OUT/p", "--steps", "1"],
         lambda tmp, adapter: _write(tmp / "c" / "corpus.json", '{"dtype": "uint16", "context": 256}').parent,
         r"--corpus .* was built with \{'tokenizer': 'ByT5Tokenizer'\}, these settings need \{'tokenizer': "),
+    "pretrain on a corpus of other keys": (
+        ["pretrain", "--tokenizer", "bpe", "--keys", "rare", "--corpus", "DATA", "--output", "OUT/p", "--steps", "1"],
+        lambda tmp, adapter: _write(tmp / "c" / "corpus.json",
+                                    '{"dtype": "uint16", "context": 256, "tokenizer": "TokenizersBackend"}').parent,
+        r"--corpus .* was built with \{'keys': 'frequent'\}, these settings need \{'keys': 'rare'\}; name a new --corpus"),
     "pretrain corpus manifest that is not one": (
         ["pretrain", "--corpus", "DATA", "--output", "OUT/p", "--steps", "1"],
         lambda tmp, adapter: _write(tmp / "c" / "corpus.json", "{}").parent,

@@ -252,7 +252,9 @@ def test_lookup_documents_drill_every_needle_and_answer_it(tmp_path):
                  val_percent=_val_percent(), max_blocks=4)
     manifest = build_corpus(tmp_path, bpe, context=1024, retrieval_fraction=0.0, lookup_fraction=0.5, modules=MODULES,
                             val_percent=_val_percent(), max_blocks=40)
-    assert 10 < manifest["lookup_blocks"] < 30 and manifest["lookup_fraction"] == 0.5
+    assert 10 < manifest["lookup_blocks"] < 30 and manifest["lookup_fraction"] == 0.5 and manifest["keys"] == "frequent"
+    with pytest.raises(ValueError, match=r"^keys='often': one of frequent, rare$"):
+        build_corpus(tmp_path / "y", bpe, context=1024, retrieval_fraction=0.0, lookup_fraction=0.5, modules=MODULES, keys="often")
 
 
 def test_variable_drills_ask_every_chain_and_answer_it_with_its_variables(tmp_path):

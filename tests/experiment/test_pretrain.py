@@ -275,6 +275,20 @@ def test_the_base_script_refuses_an_unknown_recipe_in_one_line_before_it_writes(
     assert list(tmp_path.iterdir()) == []
 
 
+FAKE_PRETRAIN = """#!/usr/bin/env bash
+# records its flags and writes the stats a phase's output holds
+echo "$*" >> "$CALLS"
+while [ $# -gt 0 ]; do case $1 in --output) out=$2;; --steps) steps=$2;; --seed) seed=$2;; esac; shift; done
+mkdir -p "$out" && echo "{\\"config\\": {\\"seed\\": $seed}, \\"steps\\": $steps}" > "$out/pretrain_stats.json"
+"""
+FAKE_DRILLS = "import pathlib, sys; out = pathlib.Path(sys.argv[2]); out.mkdir(); (out / 'probe.json').write_text('{}')\n"
+# the held-out score SCORES gives the checkpoint's name (a missing name: the check fails)
+FAKE_HELDOUT = """import json, os, pathlib, sys
+score = json.loads(os.environ["SCORES"])[pathlib.Path(sys.argv[1]).name]
+print(json.dumps({"base": sys.argv[1], "scores": {"niah_multikey_1": score}}))
+"""
+
+
 def test_the_base_script_run_again_keeps_the_phases_it_finished(tmp_path):
     """A rerun after a kill (the six phases take two hours) starts from the phase in progress:
     a phase's output of this seed and step count is kept; one of another seed is not."""
@@ -285,12 +299,7 @@ def test_the_base_script_run_again_keeps_the_phases_it_finished(tmp_path):
 
     fake = tmp_path / "bin"
     fake.mkdir()
-    (fake / "sparse-ft").write_text("""#!/usr/bin/env bash
-# records its flags and writes the stats a phase's output holds
-echo "$*" >> "$CALLS"
-while [ $# -gt 0 ]; do case $1 in --output) out=$2;; --steps) steps=$2;; --seed) seed=$2;; esac; shift; done
-mkdir -p "$out" && echo "{\\"config\\": {\\"seed\\": $seed}, \\"steps\\": $steps}" > "$out/pretrain_stats.json"
-""")
+    (fake / "sparse-ft").write_text(FAKE_PRETRAIN)
     (fake / "sparse-ft").chmod(0o755)
     env = {"PATH": f"{fake}:{Path(sys.executable).parent}:/usr/bin:/bin", "SPARSE_FT_PHASES": "2", "CALLS": str(tmp_path / "calls")}
 
@@ -305,3 +314,76 @@ mkdir -p "$out" && echo "{\\"config\\": {\\"seed\\": $seed}, \\"steps\\": $steps
     (tmp_path / "out" / "pretrain_stats.json").unlink()  # killed in the last phase
     assert run(3) == [str(tmp_path / "out")]
     assert run(4) == [str(tmp_path / "work" / "phase1"), str(tmp_path / "out")]  # another seed's phases are not this one's
+
+
+
+def gated_run(tmp_path: Path, seed: int, scores: dict) -> tuple[int, list[str], str]:
+    """The six-phase script with its commands faked: (exit code, each phase's --output, stderr)."""
+    import shutil
+    import subprocess
+    import sys
+
+    from sparse_ft.config.paths import REPO_ROOT
+
+    scripts, fake = tmp_path / "scripts", tmp_path / "bin"
+    if not scripts.exists():
+        scripts.mkdir()
+        fake.mkdir()
+        shutil.copy(REPO_ROOT / "scripts" / "pretrain_bpe_base.sh", scripts)
+        (scripts / "probe_drills.py").write_text(FAKE_DRILLS)
+        (scripts / "heldout_check.py").write_text(FAKE_HELDOUT)
+        (fake / "sparse-ft").write_text(FAKE_PRETRAIN)
+        (fake / "sparse-ft").chmod(0o755)
+    (tmp_path / "calls").write_text("")
+    env = {"PATH": f"{fake}:{Path(sys.executable).parent}:/usr/bin:/bin", "CALLS": str(tmp_path / "calls"),
+           "SCORES": json.dumps(scores)}
+    done = subprocess.run(["bash", str(scripts / "pretrain_bpe_base.sh"), str(seed), str(tmp_path / "out"),
+                           str(tmp_path / "work")], env=env, capture_output=True, text=True)
+    calls = [line.split("--output ")[1].split()[0].rsplit("/", 1)[1] + " seed " + line.rsplit("--seed ", 1)[1]
+             for line in (tmp_path / "calls").read_text().splitlines()]
+    return done.returncode, calls, done.stderr
+
+
+def test_the_gate_keeps_a_base_that_passes_the_held_out_check_as_phase_6_left_it(tmp_path):
+    """Seed 3's base reads 0.967: the recipe's output must be phase 6 itself, so the committed
+    base is what the gated recipe makes."""
+    code, calls, err = gated_run(tmp_path, 3, {"phase6": 0.967})
+    assert code == 0, err
+    assert calls == [f"{name} seed 3" for name in ("phase1", "phase2", "phase3", "phase5", "phase6")]
+    assert (tmp_path / "out" / "pretrain_stats.json").read_text() == (tmp_path / "work" / "phase6" / "pretrain_stats.json").read_text()
+    assert not (tmp_path / "out.partial").exists()
+
+
+def test_the_gate_trains_spans_of_fresh_documents_until_the_check_passes_and_resumes(tmp_path):
+    code, calls, err = gated_run(tmp_path, 2, {"phase6": 0.79, "phase7-1": 0.9, "phase7-2": 0.95})
+    assert code == 0, err
+    assert calls[-2:] == ["phase7-1 seed 201", "phase7-2 seed 202"]
+    assert json.loads((tmp_path / "out" / "pretrain_stats.json").read_text())["config"]["seed"] == 202
+    assert "phase7-2: held-out niah_multikey_1 0.95 (gate 0.95)" in err
+    code, calls, err = gated_run(tmp_path, 2, {})  # run again: every phase, check and the output kept
+    assert code == 0 and calls == [], err
+    assert "holds" in err.splitlines()[-1]
+
+
+def test_the_gate_stops_after_six_spans_with_the_last(tmp_path):
+    code, calls, err = gated_run(tmp_path, 2, {"phase6": 0.5, **{f"phase7-{k}": 0.8 for k in range(1, 7)}})
+    assert code == 0, err
+    assert calls[-1] == "phase7-6 seed 206" and len([c for c in calls if c.startswith("phase7")]) == 6
+    assert json.loads((tmp_path / "out" / "pretrain_stats.json").read_text())["config"]["seed"] == 206
+
+
+def test_a_failed_check_stops_the_script_without_an_output_and_is_run_again(tmp_path):
+    code, _, err = gated_run(tmp_path, 2, {})  # the check of phase 6 fails (KeyError)
+    assert code != 0 and not (tmp_path / "out").exists()
+    assert not (tmp_path / "work" / "phase6.heldout.json").exists()  # no half-written score read next time
+    code, calls, err = gated_run(tmp_path, 2, {"phase6": 0.96})
+    assert code == 0 and calls == [], err
+
+
+def test_the_gate_refuses_an_output_that_holds_another_model(tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "pretrain_stats.json").write_text('{"config": {"seed": 9}, "steps": 1}')
+    code, _, err = gated_run(tmp_path, 3, {"phase6": 0.967})
+    assert code == 1
+    assert err.splitlines()[-1] == (f"OUTPUT {tmp_path / 'out'} holds another model than the one the gate chose "
+                                    f"({tmp_path / 'work' / 'phase6'}): move it away and run again")
