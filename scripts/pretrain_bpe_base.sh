@@ -44,8 +44,8 @@
 # Corpora, the phases' checkpoints and their held-out scores go under WORK (default: OUTPUT.work),
 # built there once; every directory must be new or an earlier output of this script. Run the same
 # command again after a kill or a stop: finished phases and checks are kept, the phase in progress
-# resumes from its last checkpoint (PHASE.run, every 10 minutes and on SIGTERM or SIGINT). SPARSE_FT_THREADS sets torch's threads
-# (default 2; two seeds at once: 1 each).
+# resumes from its last checkpoint (PHASE.run, every 10 minutes and on SIGTERM or SIGINT).
+# SPARSE_FT_THREADS sets torch's threads (default 2; two seeds at once: 1 each).
 set -euo pipefail
 if [ $# -lt 2 ]; then
     echo "usage: scripts/pretrain_bpe_base.sh SEED OUTPUT [WORK]" >&2
@@ -137,7 +137,10 @@ held() {
         python "$(dirname "$0")/heldout_check.py" "$1" --keys rare --threads "$threads" > "$1.heldout.json.partial" || return 1
         mv "$1.heldout.json.partial" "$1.heldout.json"
     fi
-    python -c 'import json, sys; print(json.load(open(sys.argv[1]))["scores"]["niah_multikey_1"])' "$1.heldout.json"
+    python -c 'import json, sys; d = json.load(open(sys.argv[1])); keys = d.get("keys")
+if keys != "rare":
+    sys.exit(f"{sys.argv[1]}: a score on {keys} keys, the gate reads rare ones; move it away")
+print(d["scores"]["niah_multikey_1"])' "$1.heldout.json"
 }
 below() { python -c 'import sys; sys.exit(not float(sys.argv[1]) < float(sys.argv[2]))' "$1" "$2"; }
 last=$work/phase6

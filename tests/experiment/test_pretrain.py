@@ -285,7 +285,7 @@ FAKE_DRILLS = "import pathlib, sys; out = pathlib.Path(sys.argv[2]); out.mkdir()
 # the held-out score SCORES gives the checkpoint's name (a missing name: the check fails)
 FAKE_HELDOUT = """import json, os, pathlib, sys
 score = json.loads(os.environ["SCORES"])[pathlib.Path(sys.argv[1]).name]
-print(json.dumps({"base": sys.argv[1], "scores": {"niah_multikey_1": score}}))
+print(json.dumps({"base": sys.argv[1], "keys": "rare", "scores": {"niah_multikey_1": score}}))
 """
 
 
@@ -316,7 +316,6 @@ def test_the_base_script_run_again_keeps_the_phases_it_finished(tmp_path):
     assert run(4) == [str(tmp_path / "work" / "phase1"), str(tmp_path / "out")]  # another seed's phases are not this one's
 
 
-
 def gated_run(tmp_path: Path, seed: int, scores: dict) -> tuple[int, list[str], str]:
     """The six-phase script with its commands faked: (exit code, each phase's --output, stderr)."""
     import shutil
@@ -345,9 +344,9 @@ def gated_run(tmp_path: Path, seed: int, scores: dict) -> tuple[int, list[str], 
 
 
 def test_the_gate_keeps_a_base_that_passes_the_held_out_check_as_phase_6_left_it(tmp_path):
-    """Seed 3's base reads 0.967: the recipe's output must be phase 6 itself, so the committed
-    base is what the gated recipe makes."""
-    code, calls, err = gated_run(tmp_path, 3, {"phase6": 0.967})
+    """Seed 3's base reads 0.95, the gate itself: the recipe's output must be phase 6, so the
+    committed base is what the gated recipe makes."""
+    code, calls, err = gated_run(tmp_path, 3, {"phase6": 0.95})
     assert code == 0, err
     assert calls == [f"{name} seed 3" for name in ("phase1", "phase2", "phase3", "phase5", "phase6")]
     assert (tmp_path / "out" / "pretrain_stats.json").read_text() == (tmp_path / "work" / "phase6" / "pretrain_stats.json").read_text()
@@ -378,6 +377,11 @@ def test_a_failed_check_stops_the_script_without_an_output_and_is_run_again(tmp_
     assert not (tmp_path / "work" / "phase6.heldout.json").exists()  # no half-written score read next time
     code, calls, err = gated_run(tmp_path, 2, {"phase6": 0.96})
     assert code == 0 and calls == [], err
+    held = tmp_path / "work" / "phase6.heldout.json"  # a score of the frequent keys is not the gate's
+    held.write_text(held.read_text().replace('"rare"', '"frequent"'))
+    (tmp_path / "out" / "pretrain_stats.json").unlink()
+    code, _, err = gated_run(tmp_path, 2, {})
+    assert code == 1 and err.splitlines()[-1] == f"{held}: a score on frequent keys, the gate reads rare ones; move it away"
 
 
 def test_the_gate_refuses_an_output_that_holds_another_model(tmp_path):
