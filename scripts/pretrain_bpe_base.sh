@@ -46,6 +46,8 @@
 # command again after a kill or a stop: finished phases and checks are kept, the phase in progress
 # resumes from its last checkpoint (PHASE.run, every 10 minutes and on SIGTERM or SIGINT).
 # SPARSE_FT_THREADS sets torch's threads (default 2; two seeds at once: 1 each).
+# SPARSE_FT_KEYS=rare (six phases) gives phases 3 to 6 and the drills the gate's rare keys, as long in
+# BPE pieces as the evaluation's, in place of frequent ones (the default, which made the committed base).
 set -euo pipefail
 if [ $# -lt 2 ]; then
     echo "usage: scripts/pretrain_bpe_base.sh SEED OUTPUT [WORK]" >&2
@@ -56,12 +58,25 @@ output=$2
 work=${3:-$output.work}
 threads=${SPARSE_FT_THREADS:-2}
 phases=${SPARSE_FT_PHASES:-6}
+keys=${SPARSE_FT_KEYS:-frequent}
 case $phases in
     2|4|6) ;;
     *) echo "SPARSE_FT_PHASES=$phases: must be 6 (the recipe), 4 (the recipe before it) or 2 (the base of 2026-11-27)" >&2
        exit 2 ;;
 esac
+case $keys in
+    frequent) ;;
+    rare) [ "$phases" = 6 ] || { echo "SPARSE_FT_KEYS=rare: only with SPARSE_FT_PHASES=6 (the recipes before it used frequent keys)" >&2; exit 2; } ;;
+    *) echo "SPARSE_FT_KEYS=$keys: must be frequent (the recipe) or rare (the gate's keys from phase 3 on)" >&2
+       exit 2 ;;
+esac
 mkdir -p "$work"
+# a WORK holds one kind of keys: its phases and corpora would otherwise mix them
+if [ -f "$work/keys" ] && [ "$(cat "$work/keys")" != "$keys" ]; then
+    echo "SPARSE_FT_KEYS=$keys: WORK $work holds phases of $(cat "$work/keys") keys; name another WORK" >&2
+    exit 2
+fi
+echo "$keys" > "$work/keys"
 common=(--seed "$seed" --tokenizer bpe --threads "$threads" --eval-windows 50)
 at_c=(--context 1024 --full-fraction 0.75 --scheduler cosine --lr 1e-3 --batch-size 4)
 
@@ -88,7 +103,7 @@ if [ "$phases" = 6 ]; then
         --init-from "$work/phase1" --retrieval-fraction 0 --copy-fraction 1.0 --copy-pieces 1.0 --copy-names 0 \
         --max-blocks 3200 --scheduler constant --lr 1e-3 --warmup-steps 20 --batch-size 8 --passkey-trials 0
     reach=("$work/phase3" 1000 --corpus "$work/corpus-reach-ids" --init-from "$work/phase2" --max-blocks 4000
-           --passkey-trials 0 --copy-pieces 0.5 --copy-names 0)
+           --passkey-trials 0 --copy-pieces 0.5 --copy-names 0 --keys "$keys")
     drills=$work/phase4
     until=(--until 0.95 --max-steps 1200)
 elif [ "$phases" = 4 ]; then
@@ -106,7 +121,7 @@ phase "${reach[@]}" "${at_c[@]}" --rope-theta 500000 --retrieval-tasks all \
 
 if [ ! -f "$drills/probe.json" ]; then  # written last: the phase is done
     python "$(dirname "$0")/probe_drills.py" "${reach[0]}" "$drills" --steps 400 "${until[@]}" \
-        --seed "$seed" --threads "$threads"
+        --seed "$seed" --threads "$threads" --keys "$keys"
 fi
 
 if [ "$phases" = 4 ]; then
@@ -118,10 +133,10 @@ fi
 
 phase "$work/phase5" 400 "${at_c[@]}" --corpus "$work/corpus-vt-cwe" \
     --init-from "$drills" --retrieval-tasks vt_drills,cwe_pseudo_drills --retrieval-fraction 0.7 --copy-fraction 0.3 \
-    --copy-pieces 1.0 --max-blocks 1600 --warmup-steps 20 --passkey-trials 0
+    --copy-pieces 1.0 --max-blocks 1600 --warmup-steps 20 --passkey-trials 0 --keys "$keys"
 
 mix=(--retrieval-tasks vt_drills,cwe_pseudo_drills,passkey --retrieval-fraction 0.35 --lookup-fraction 0.55
-     --copy-fraction 0.1 --copy-pieces 1.0)
+     --copy-fraction 0.1 --copy-pieces 1.0 --keys "$keys")
 phase "$work/phase6" 800 "${at_c[@]}" --corpus "$work/corpus-mix" --init-from "$work/phase5" "${mix[@]}" \
     --max-blocks 3200 --passkey-trials 10
 

@@ -1,11 +1,12 @@
 """Can a base learn to match keys at all? Train it on drills alone and watch (issue 33).
 
-    python scripts/probe_drills.py BASE OUTPUT [--steps 800] [--until 0.95 --max-steps 1600] [--keys 8] [--length 512]
+    python scripts/probe_drills.py BASE OUTPUT [--steps 800] [--until 0.95 --max-steps 1600] [--needles 8] [--length 512]
+                                               [--keys rare]
                                                [--until-task niah_multikey_1 --until-samples 30] [--seed 1] [--threads 1]
 
 niah_multikey_1 asks for one of four needles' values; a base that has copy heads but no key
 matching answers with a needle at random (0.2-0.3). This probe continues BASE's training on
-documents of drills only: ``--keys`` needles in RULER's form (training-word keys, 7-digit
+documents of drills only: ``--needles`` needles in RULER's form (training-word keys, 7-digit
 values; no haystack), then RULER's answer sentence for keys drawn at random, each followed by
 its value, to the document's end (the drills of ``retrieval_docs.Lookup``, at full density).
 Every 50 steps it prints the share of drills on 16 held-out documents whose first digit (the
@@ -35,7 +36,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from sparse_ft.evaluation.tasks.generation import registered_ruler_tasks
 from sparse_ft.evaluation.tasks.niah import NEEDLE
 from sparse_ft.experiment.heldout import HeldOut
-from sparse_ft.experiment.retrieval_docs import DRILL, training_words
+from sparse_ft.experiment.retrieval_docs import DRILL, KEY_RANKS, training_words
 from sparse_ft.experiment.tokenizer import training_texts
 from sparse_ft.files.outputs import atomic_directory
 from sparse_ft.modeling.rope import original_context
@@ -90,7 +91,10 @@ def main() -> None:
                    help="with --until, the share is this RULER task's held-out score at the base's context "
                         "(sparse_ft.experiment.heldout), not the drills' first digit")
     p.add_argument("--until-samples", type=int, default=30, help="held-out prompts of --until-task (default 30)")
-    p.add_argument("--keys", type=int, default=8, help="needles per document (default 8)")
+    p.add_argument("--needles", type=int, default=8, help="needles per document (default 8)")
+    p.add_argument("--keys", choices=tuple(KEY_RANKS), default="frequent",
+                   help="the needles' keys, as `sparse-ft pretrain --keys`: pairs of frequent words, or of rare ones "
+                        "that split into as many BPE pieces as the evaluation's keys (default frequent)")
     p.add_argument("--length", type=int, default=512, help="tokens per document (default 512)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-3)
@@ -116,7 +120,7 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(args.base)
     model = AutoModelForCausalLM.from_pretrained(args.base)
     texts = list(training_texts())
-    keys = list(training_words(texts).keys)
+    keys = list(training_words(texts, keys=args.keys).keys)
     held = None
     if args.until_task is not None:
         context = original_context(model.config)
@@ -124,7 +128,7 @@ def main() -> None:
 
     def measure() -> dict:
         """The curve's point: the drills' shares, and the held-out task's score when one decides."""
-        first, whole = accuracy(model, tokenizer, keys, args.keys, args.length)
+        first, whole = accuracy(model, tokenizer, keys, args.needles, args.length)
         point = {"first_digit": first, "whole_value": whole}
         if held is not None:
             point[args.until_task] = held.scores(model)[args.until_task]
@@ -141,7 +145,7 @@ def main() -> None:
     step = 0
     while step < args.steps or (step < max_steps and share(point) < args.until):
         step += 1
-        batch = torch.tensor([document(tokenizer, keys, rng, args.keys, args.length)[0] for _ in range(args.batch_size)])
+        batch = torch.tensor([document(tokenizer, keys, rng, args.needles, args.length)[0] for _ in range(args.batch_size)])
         loss = model(batch, labels=batch).loss
         optimizer.zero_grad()
         loss.backward()

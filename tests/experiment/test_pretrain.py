@@ -5,6 +5,7 @@ retrieve inside their windows."""
 
 import json
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -281,7 +282,9 @@ echo "$*" >> "$CALLS"
 while [ $# -gt 0 ]; do case $1 in --output) out=$2;; --steps) steps=$2;; --seed) seed=$2;; esac; shift; done
 mkdir -p "$out" && echo "{\\"config\\": {\\"seed\\": $seed}, \\"steps\\": $steps}" > "$out/pretrain_stats.json"
 """
-FAKE_DRILLS = "import pathlib, sys; out = pathlib.Path(sys.argv[2]); out.mkdir(); (out / 'probe.json').write_text('{}')\n"
+# writes its flags where the phase's end is read
+FAKE_DRILLS = ("import json, pathlib, sys; out = pathlib.Path(sys.argv[2]); out.mkdir(); "
+               "(out / 'probe.json').write_text(json.dumps(sys.argv[3:]))\n")
 # the held-out score SCORES gives the checkpoint's name (a missing name: the check fails)
 FAKE_HELDOUT = """import json, os, pathlib, sys
 score = json.loads(os.environ["SCORES"])[pathlib.Path(sys.argv[1]).name]
@@ -316,8 +319,9 @@ def test_the_base_script_run_again_keeps_the_phases_it_finished(tmp_path):
     assert run(4) == [str(tmp_path / "work" / "phase1"), str(tmp_path / "out")]  # another seed's phases are not this one's
 
 
-def gated_run(tmp_path: Path, seed: int, scores: dict) -> tuple[int, list[str], str]:
-    """The six-phase script with its commands faked: (exit code, each phase's --output, stderr)."""
+def gated_run(tmp_path: Path, seed: int, scores: dict, keys: Optional[str] = None) -> tuple[int, list[str], str]:
+    """The six-phase script with its commands faked, SPARSE_FT_KEYS set to ``keys`` unless None:
+    (exit code, each phase's --output, stderr)."""
     import shutil
     import subprocess
     import sys
@@ -335,7 +339,7 @@ def gated_run(tmp_path: Path, seed: int, scores: dict) -> tuple[int, list[str], 
         (fake / "sparse-ft").chmod(0o755)
     (tmp_path / "calls").write_text("")
     env = {"PATH": f"{fake}:{Path(sys.executable).parent}:/usr/bin:/bin", "CALLS": str(tmp_path / "calls"),
-           "SCORES": json.dumps(scores)}
+           "SCORES": json.dumps(scores), **({} if keys is None else {"SPARSE_FT_KEYS": keys})}
     done = subprocess.run(["bash", str(scripts / "pretrain_bpe_base.sh"), str(seed), str(tmp_path / "out"),
                            str(tmp_path / "work")], env=env, capture_output=True, text=True)
     calls = [line.split("--output ")[1].split()[0].rsplit("/", 1)[1] + " seed " + line.rsplit("--seed ", 1)[1]
@@ -382,6 +386,25 @@ def test_a_failed_check_stops_the_script_without_an_output_and_is_run_again(tmp_
     (tmp_path / "out" / "pretrain_stats.json").unlink()
     code, _, err = gated_run(tmp_path, 2, {})
     assert code == 1 and err.splitlines()[-1] == f"{held}: a score on frequent keys, the gate reads rare ones; move it away"
+
+
+def test_rare_keys_reach_the_drills_and_every_phase_from_the_third_and_hold_their_work_directory(tmp_path):
+    code, _, err = gated_run(tmp_path, 3, {"phase6": 0.95}, keys="rare")
+    assert code == 0, err
+    flags = {line.split("--output ")[1].split()[0].rsplit("/", 1)[1]: "--keys rare" in line
+             for line in (tmp_path / "calls").read_text().splitlines()}
+    assert flags == {"phase1": False, "phase2": False, "phase3": True, "phase5": True, "phase6": True}
+    assert json.loads((tmp_path / "work" / "phase4" / "probe.json").read_text())[-2:] == ["--keys", "rare"]
+    code, calls, err = gated_run(tmp_path, 3, {"phase6": 0.95})  # the default, frequent keys, on the same WORK
+    assert code == 2 and calls == []
+    assert err.splitlines()[-1] == (f"SPARSE_FT_KEYS=frequent: WORK {tmp_path / 'work'} holds phases of rare keys; "
+                                    "name another WORK")
+
+
+def test_the_script_refuses_keys_it_does_not_know(tmp_path):
+    code, calls, err = gated_run(tmp_path, 3, {}, keys="long")
+    assert code == 2 and calls == [] and not (tmp_path / "work").exists()
+    assert err.splitlines()[-1] == "SPARSE_FT_KEYS=long: must be frequent (the recipe) or rare (the gate's keys from phase 3 on)"
 
 
 def test_the_gate_refuses_an_output_that_holds_another_model(tmp_path):
