@@ -16,13 +16,17 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import probe_drills  # noqa: E402
 
 BASE = str(ROOT / "assets" / "tiny-base-bpe")
-SMALL = ["--batch-size", "1", "--length", "96", "--keys", "2"]
+SMALL = ["--batch-size", "1", "--length", "96", "--needles", "2"]
 
 
-def _run(monkeypatch, base: str, out: Path, *flags: str) -> dict:
-    # a few keys instead of the corpus's 90,000 words (reading the corpus takes seconds)
+def _run(monkeypatch, base: str, out: Path, *flags: str, kinds: list | None = None) -> dict:
+    # a few keys instead of the corpus's 90,000 words (reading the corpus takes seconds); ``kinds``
+    # collects the kind of keys each call asked the corpus for
+    def words(texts, keys):
+        (kinds if kinds is not None else []).append(keys)
+        return SimpleNamespace(keys=["apple", "river", "stone"])
     monkeypatch.setattr(probe_drills, "training_texts", lambda: [])
-    monkeypatch.setattr(probe_drills, "training_words", lambda texts: SimpleNamespace(keys=["apple", "river", "stone"]))
+    monkeypatch.setattr(probe_drills, "training_words", words)
     monkeypatch.setattr(sys, "argv", ["probe_drills.py", base, str(out), *SMALL, *flags])
     probe_drills.main()
     return json.loads((out / "probe.json").read_text())
@@ -63,6 +67,14 @@ def test_until_reached_stops_at_steps(monkeypatch, tmp_path):
     # at 400, so that base is made by the same 400 steps as before --until existed
     probe = _run(monkeypatch, BASE, tmp_path / "p", "--steps", "2", "--until", "0.01")
     assert probe["steps"] == 2 and probe["curve"][-1]["first_digit"] >= 0.01
+
+
+@pytest.mark.parametrize("flags, kind", [([], "frequent"), (["--keys", "rare"], "rare")])
+def test_the_drills_take_the_keys_they_are_asked_for(monkeypatch, tmp_path, flags, kind):
+    # SPARSE_FT_KEYS=rare passes --keys rare: the needles are then the gate's rare keys
+    kinds: list = []
+    probe = _run(monkeypatch, BASE, tmp_path / "p", "--steps", "1", *flags, kinds=kinds)
+    assert kinds == [kind] and probe["args"]["keys"] == kind
 
 
 @pytest.mark.parametrize("flags, message", [
