@@ -288,7 +288,8 @@ FAKE_DRILLS = ("import json, pathlib, sys; out = pathlib.Path(sys.argv[2]); out.
 # the held-out score SCORES gives the checkpoint's name (a missing name: the check fails)
 FAKE_HELDOUT = """import json, os, pathlib, sys
 score = json.loads(os.environ["SCORES"])[pathlib.Path(sys.argv[1]).name]
-print(json.dumps({"base": sys.argv[1], "keys": "rare", "scores": {"niah_multikey_1": score}}))
+samples = int(sys.argv[sys.argv.index("--samples") + 1])
+print(json.dumps({"base": sys.argv[1], "keys": "rare", "samples": samples, "scores": {"niah_multikey_1": score}}))
 """
 
 
@@ -386,6 +387,9 @@ def test_a_failed_check_stops_the_script_without_an_output_and_is_run_again(tmp_
     (tmp_path / "out" / "pretrain_stats.json").unlink()
     code, _, err = gated_run(tmp_path, 2, {})
     assert code == 1 and err.splitlines()[-1] == f"{held}: a score on frequent keys, the gate reads rare ones; move it away"
+    held.write_text(held.read_text().replace('"frequent"', '"rare"').replace('"samples": 120', '"samples": 60'))
+    code, _, err = gated_run(tmp_path, 2, {})  # nor one of fewer prompts (60 let seed 2 through, RULER 0.89)
+    assert code == 1 and err.splitlines()[-1] == f"{held}: a score on 60 prompts, the gate reads 120; move it away"
 
 
 def test_rare_keys_reach_the_drills_and_every_phase_from_the_third_and_hold_their_work_directory(tmp_path):
