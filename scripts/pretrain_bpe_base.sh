@@ -39,7 +39,8 @@
 #    200-step spans, cosine from 5e-4, of lookup documents 75 %, vt and cwe drills and passkeys
 #    20 %, copies 5 %, all on rare keys (--keys rare), fresh documents each (span k's --seed is
 #    100 x SEED + k), each span checked, at most 6; the output is the first that passes, else the
-#    last. Seed 2: 0.917 after phase 6 (RULER's niah_multikey_1 0.79), 0.967 after one span (0.88).
+#    last. Seed 2 (on 60 prompts): 0.917 after phase 6 (RULER's niah_multikey_1 0.79), 0.967 after
+#    one span (0.88); with SPARSE_FT_KEYS=rare (on 120) 0.858, then 0.975 after four spans (0.89).
 #
 # Corpora, the phases' checkpoints and their held-out scores go under WORK (default: OUTPUT.work),
 # built there once; every directory must be new or an earlier output of this script. Run the same
